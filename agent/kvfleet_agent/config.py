@@ -1,0 +1,66 @@
+"""EngineConfig: every runtime knob of the engine, validated once, with the reason in each error."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+@dataclass
+class EngineConfig:
+    """Runtime settings of one engine (one replica).
+
+    Sizes left as None are derived at start-up: max_model_len from the checkpoint, the KV pool
+    from the memory budget (kv_cache_memory_bytes on CPU, gpu_memory_utilization on CUDA).
+    """
+
+    model: str
+    dtype: str = "auto"
+    device: str = "auto"
+    max_model_len: int | None = None
+    max_num_seqs: int = 128
+    max_num_batched_tokens: int = 2048
+    block_size: int = 16
+    kv_cache_memory_bytes: int | None = None
+    gpu_memory_utilization: float = 0.9
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
+    seed: int = 0
+    num_threads: int | None = None
+
+    def __post_init__(self) -> None:
+        def bad(name: str, rule: str) -> ValueError:
+            return ValueError(f"engine option {name}={getattr(self, name)!r} is invalid: {rule}")
+
+        if self.dtype not in DTYPES:
+            raise bad("dtype", f"choose one of {', '.join(DTYPES)}")
+        if self.device not in ("auto", "cpu") and not self.device.startswith("cuda"):
+            raise bad("device", "choose auto, cpu or cuda[:N]")
+        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise bad(name, "it must be a positive integer")
+        if self.block_size & (self.block_size - 1) or self.block_size > 256:
+            raise bad("block_size", "use a power of two up to 256 (16 is the usual choice)")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise bad("max_model_len", "it must be at least 2 tokens")
+        if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes < 1:
+            raise bad("kv_cache_memory_bytes", "give a positive number of bytes, or leave it unset")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise bad("gpu_memory_utilization", "use a fraction in (0, 1]")
+        if not self.enable_chunked_prefill and self.max_model_len is not None \
+                and self.max_model_len > self.max_num_batched_tokens:
+            raise bad("max_num_batched_tokens", "without chunked prefill it must be >= max_model_len, "
+                      "so that a whole prompt fits in one step; raise it or enable chunked prefill")
+
+    @classmethod
+    def from_kwargs(cls, model: str, **kwargs: Any) -> EngineConfig:
+        """Build from keyword options, naming any unknown option and listing the known ones."""
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(kwargs) - known)
+        if unknown:
+            raise TypeError(f"unknown engine option(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
+        return cls(model=model, **kwargs)

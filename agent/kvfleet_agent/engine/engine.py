@@ -1,0 +1,200 @@
+"""LLMEngine: add requests, step (schedule → run → update), abort; the synchronous core of every API."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from kvfleet_agent.config import EngineConfig
+from kvfleet_agent.engine.detokenizer import IncrementalDetokenizer
+from kvfleet_agent.engine.kv_cache import KVCacheManager
+from kvfleet_agent.engine.model_runner import ModelRunner
+from kvfleet_agent.engine.request import Request
+from kvfleet_agent.engine.scheduler import Scheduler
+from kvfleet_agent.models.config import ModelConfig
+from kvfleet_agent.models.tokenizer import Tokenizer
+from kvfleet_agent.outputs import CompletionOutput, Logprob, RequestOutput
+from kvfleet_agent.sampling_params import SamplingParams
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(eq=False)
+class _Tracked:
+    """Engine-side state of a request beside the scheduler's: text and logprobs."""
+
+    request: Request
+    detokenizer: IncrementalDetokenizer | None
+    logprobs: list[Logprob] | None
+
+
+@dataclass
+class EngineCounters:
+    """Monotonic totals since start, read by metrics exporters."""
+
+    prompt_tokens: int = 0
+    generation_tokens: int = 0
+    steps: int = 0
+    finished: dict[str, int] = field(default_factory=lambda: {"stop": 0, "length": 0, "abort": 0})
+    last_step_time: float = 0.0
+
+
+class LLMEngine:
+    """One model replica: its tokenizer, KV pool, scheduler and runner."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.model_config = ModelConfig.from_dir(config.model)
+        self.tokenizer = Tokenizer.from_dir(config.model)
+        if self.tokenizer is None:
+            log.warning("%s has no tokenizer.json: prompts must be token ids and outputs carry no text",
+                        config.model)
+        self.max_model_len = self._max_model_len()
+        self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids if self.tokenizer
+                                       else self.model_config.eos_token_ids)
+        self.runner = ModelRunner(config, self.model_config, self.max_model_len)
+        budget = self.runner.kv_budget_bytes()
+        num_blocks = budget // self.runner.bytes_per_block()
+        if num_blocks * config.block_size < self.max_model_len:
+            raise ValueError(
+                f"the KV budget of {budget / 2**20:.0f} MiB holds {num_blocks * config.block_size} tokens, fewer than "
+                f"max_model_len={self.max_model_len}: raise kv_cache_memory_bytes (or gpu_memory_utilization) "
+                "or lower max_model_len")
+        self.runner.allocate_kv_cache(num_blocks)
+        self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens,
+                                   config.enable_chunked_prefill)
+        self.counters = EngineCounters(last_step_time=time.time())
+        self._tracked: dict[str, _Tracked] = {}
+        log.info("kvfleet engine: %s (%s) on %s, %s; KV pool %d blocks x %d tokens = %d tokens "
+                 "(%.1f MiB), max_model_len %d, max concurrent full-length sequences %.1f",
+                 config.model, self.model_config.architecture, self.runner.device, self.runner.dtype,
+                 num_blocks, config.block_size, num_blocks * config.block_size,
+                 num_blocks * self.runner.bytes_per_block() / 2**20, self.max_model_len,
+                 num_blocks * config.block_size / self.max_model_len)
+
+    def _max_model_len(self) -> int:
+        mc = self.model_config
+        limit = mc.max_position_embeddings
+        if mc.sliding_window and mc.sliding_window < limit:
+            # Attention here is full, so stay inside the window where the two agree.
+            log.warning("sliding_window=%d < max_position_embeddings=%d: capping max_model_len at the window",
+                        mc.sliding_window, limit)
+            limit = mc.sliding_window
+        asked = self.config.max_model_len
+        if asked is not None and asked > limit:
+            raise ValueError(f"max_model_len={asked} exceeds what {self.config.model} supports ({limit}, from "
+                             "config.json max_position_embeddings / sliding_window): lower it")
+        return asked or limit
+
+    # -- requests -------------------------------------------------------------------------------
+
+    def tokenize(self, prompt: str) -> list[int]:
+        """Token ids of a text prompt (needs tokenizer.json)."""
+        if self.tokenizer is None:
+            raise ValueError(f"prompt is text but {self.config.model} has no tokenizer.json: "
+                             "pass {'prompt_token_ids': [...]} or add the tokenizer files")
+        return self.tokenizer.encode(prompt)
+
+    def make_request(self, request_id: str, prompt: str | Sequence[int], params: SamplingParams,
+                     arrival_time: float | None = None) -> Request:
+        """Validate and tokenize a request without touching engine state (safe from any thread)."""
+        text = prompt if isinstance(prompt, str) else None
+        ids = self.tokenize(prompt) if isinstance(prompt, str) else list(prompt)
+        if not ids:
+            raise ValueError("prompt is empty: give at least one token")
+        vocab = self.model_config.vocab_size
+        if any(isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab for t in ids):
+            raise ValueError(f"prompt_token_ids must be integers in [0, {vocab}) (vocab_size of the model)")
+        if len(ids) >= self.max_model_len:
+            raise ValueError(f"prompt has {len(ids)} tokens; max_model_len is {self.max_model_len}, which must "
+                             "leave room for at least one generated token: shorten the prompt")
+        req = Request(request_id, ids, params, self.eos_token_ids, prompt=text, max_model_len=self.max_model_len)
+        if arrival_time is not None:
+            req.arrival_time = arrival_time
+        return req
+
+    def add(self, req: Request) -> None:
+        """Queue a request made by make_request."""
+        if req.request_id in self._tracked:
+            raise ValueError(f"request_id {req.request_id!r} is already in use")
+        params = req.sampling_params
+        detok = None
+        if self.tokenizer is not None:
+            detok = IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids, params.stop,
+                                           params.include_stop_str_in_output, params.skip_special_tokens)
+        self._tracked[req.request_id] = _Tracked(req, detok, [] if params.logprobs is not None else None)
+        self.scheduler.add(req)
+        self.counters.prompt_tokens += req.num_prompt_tokens
+
+    def add_request(self, request_id: str, prompt: str | Sequence[int], params: SamplingParams) -> Request:
+        """Validate, tokenize and queue a request."""
+        req = self.make_request(request_id, prompt, params)
+        self.add(req)
+        return req
+
+    def abort(self, request_ids: Sequence[str]) -> list[RequestOutput]:
+        """Stop requests now; their KV blocks return to the pool at once."""
+        outs = []
+        for req in self.scheduler.abort(request_ids):
+            self.counters.finished["abort"] += 1
+            outs.append(self._output(self._tracked.pop(req.request_id)))
+        return outs
+
+    def has_unfinished(self) -> bool:
+        """Whether any request is waiting or running."""
+        return self.scheduler.has_work()
+
+    # -- the loop -------------------------------------------------------------------------------
+
+    def step(self) -> list[_Tracked]:
+        """Schedule, run and update one step; returns the requests that got a token (finished ones too)."""
+        plan = self.scheduler.schedule()
+        now = time.monotonic()
+        for chunk in plan.chunks:
+            req = self.scheduler.requests[chunk.request_id]
+            if req.first_scheduled_time is None:
+                req.first_scheduled_time = now
+        tokens, logprobs = self.runner.execute(plan)
+        advanced = self.scheduler.update(plan, tokens)
+        now = time.monotonic()
+        self.counters.steps += 1
+        self.counters.last_step_time = time.time()
+        self.counters.generation_tokens += len(advanced)
+        out = []
+        for req in advanced:
+            t = self._tracked[req.request_id]
+            if req.first_token_time is None:
+                req.first_token_time = now
+            req.last_token_time = now
+            if t.logprobs is not None:
+                t.logprobs.append(logprobs[req.request_id])
+            if t.detokenizer is not None:
+                t.detokenizer.add_tokens([req.token_ids[-1]])
+                if t.detokenizer.stopped is not None and not req.is_finished:
+                    req.stop_reason = t.detokenizer.stopped
+                    self.scheduler.stop(req)
+            if req.is_finished:
+                if t.detokenizer is not None:
+                    t.detokenizer.flush()  # release text held back as a possible stop-string prefix
+                self.counters.finished[req.status.value] += 1
+                del self._tracked[req.request_id]
+            out.append(t)
+        return out
+
+    def output(self, tracked: _Tracked) -> RequestOutput:
+        """The public view of a request's state."""
+        return self._output(tracked)
+
+    @staticmethod
+    def _output(t: _Tracked) -> RequestOutput:
+        req = t.request
+        text = t.detokenizer.text if t.detokenizer is not None else ""
+        finish = req.status.value if req.is_finished else None
+        completion = CompletionOutput(0, text, req.output_token_ids, finish, req.stop_reason,
+                                      list(t.logprobs) if t.logprobs is not None else None)
+        return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, [completion], req.is_finished,
+                             req.num_cached_tokens)
+

@@ -1,0 +1,193 @@
+"""Iteration-level scheduler: each step mixes decodes and prefill chunks under a token budget."""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from kvfleet_agent.engine.kv_cache import KVCacheManager
+from kvfleet_agent.engine.request import Request, RequestStatus
+from kvfleet_agent.sampling_params import SamplingParams
+
+
+@dataclass(slots=True)
+class ScheduledChunk:
+    """One request's share of a step: compute KV for token_ids at positions start_pos onwards."""
+
+    request_id: str
+    token_ids: list[int]
+    start_pos: int
+    block_table: list[int]
+    sample: bool  # the chunk reaches the last known token, so the step yields a new token
+    sampling_params: SamplingParams
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    """A step's plan, as plain data for the model runner."""
+
+    chunks: list[ScheduledChunk]
+    num_batched_tokens: int
+    preempted: list[str] = field(default_factory=list)
+    finished: list[str] = field(default_factory=list)  # finished since the last step: drop their state
+
+
+class Scheduler:
+    """Owns the waiting queue and the running set; asks the KV cache for blocks."""
+
+    def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
+                 enable_chunked_prefill: bool = True) -> None:
+        self.kv = kv
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.enable_chunked_prefill = enable_chunked_prefill
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []  # admission order: oldest first, preemption takes the newest
+        self.requests: dict[str, Request] = {}
+        self.num_preemptions = 0
+        self._finished: list[str] = []
+        # Free blocks kept back at admission so running requests can grow a little before anyone is
+        # preempted; admitting into the last block guarantees a preemption a few steps later.
+        self.watermark_blocks = max(1, kv.pool.num_blocks // 100)
+
+    def add(self, req: Request) -> None:
+        """Queue a new request behind everything already waiting."""
+        self.requests[req.request_id] = req
+        self.waiting.append(req)
+
+    def has_work(self) -> bool:
+        """Whether any request is waiting or running."""
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> SchedulerOutput:
+        """Plan one step.
+
+        Invariant: there are no prefill and decode phases, only requests whose KV lags their tokens.
+        Each step moves num_computed_tokens towards num_tokens for as many requests as the token
+        budget, max_num_seqs and the KV pool allow: running decodes first (one token each, so
+        inter-token latency does not wait behind long prompts), then running prefills, then waiting
+        requests in order (preempted ones first). A request is admitted only if blocks for all its
+        known tokens are free; if a running request cannot grow, the newest running request is
+        preempted (recompute later, its full blocks kept in the prefix cache).
+        """
+        budget = self.max_num_batched_tokens
+        chunks: list[ScheduledChunk] = []
+        preempted: list[str] = []
+
+        scheduled: set[str] = set()
+        for decodes_pass in (True, False):
+            i = 0
+            while i < len(self.running) and budget > 0:
+                req = self.running[i]
+                i += 1
+                remaining = req.num_tokens - req.num_computed_tokens
+                if (remaining == 1) != decodes_pass or req.request_id in scheduled:
+                    continue
+                n = min(remaining, budget)
+                if not self._grow_or_preempt(req, req.num_computed_tokens + n, preempted):
+                    break  # req itself was the newest and went back to the queue
+                chunks.append(self._chunk(req, n))
+                scheduled.add(req.request_id)
+                budget -= n
+
+        if not preempted:  # under memory pressure, let the running requests drain first
+            budget = self._admit(budget, chunks)
+
+        finished, self._finished = self._finished, []
+        return SchedulerOutput(chunks, self.max_num_batched_tokens - budget, preempted, finished)
+
+    def _admit(self, budget: int, chunks: list[ScheduledChunk]) -> int:
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            req = self.waiting[0]
+            hits, num_cached = self.kv.find_cached_prefix(req.request_id, req.token_ids)
+            n = min(req.num_tokens - num_cached, budget)
+            if n < req.num_tokens - num_cached and not self.enable_chunked_prefill:
+                break
+            # Admission counts the whole known footprint (prompt + any output before a preemption),
+            # so a long prompt is never admitted on its first chunk and then thrashed.
+            need = self.kv.blocks_for(req.num_tokens) - len(hits)
+            if need > self.kv.pool.num_free - self.watermark_blocks and self.running:
+                break
+            if not self.kv.allocate(req.request_id, req.num_tokens, hits):
+                break
+            self.waiting.popleft()
+            if req.status is RequestStatus.WAITING:
+                self.kv.record_lookup(req.num_tokens, num_cached)
+                req.num_cached_tokens = num_cached
+            req.num_computed_tokens = num_cached
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            chunks.append(self._chunk(req, n))
+            budget -= n
+        return budget
+
+    def _grow_or_preempt(self, req: Request, num_tokens: int, preempted: list[str]) -> bool:
+        while not self.kv.grow(req.request_id, num_tokens):
+            victim = self.running.pop()
+            self._preempt(victim)
+            preempted.append(victim.request_id)
+            if victim is req:
+                return False
+        return True
+
+    def _preempt(self, req: Request) -> None:
+        self.kv.free(req.request_id)  # full blocks stay hashed: re-admission hits them if still there
+        req.num_computed_tokens = 0
+        req.status = RequestStatus.PREEMPTED
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(req)  # ahead of newer arrivals
+
+    def _chunk(self, req: Request, n: int) -> ScheduledChunk:
+        start = req.num_computed_tokens
+        return ScheduledChunk(req.request_id, req.token_ids[start:start + n], start,
+                              self.kv.block_table(req.request_id), start + n == req.num_tokens,
+                              req.sampling_params)
+
+    def update(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
+        """Apply a step's results: advance computed tokens, append sampled ones, retire finished requests.
+
+        Returns the requests that got a new token this step (finished ones included).
+        """
+        advanced = []
+        for chunk in out.chunks:
+            req = self.requests[chunk.request_id]
+            req.num_computed_tokens += len(chunk.token_ids)
+            if chunk.sample:
+                req.append_token(sampled[chunk.request_id])
+                advanced.append(req)
+            self.kv.commit(req.request_id, req.token_ids, req.num_computed_tokens)
+        done = [r for r in advanced if r.is_finished]
+        if done:
+            self.running = [r for r in self.running if not r.is_finished]
+            for req in done:
+                self._retire(req)
+        return advanced
+
+    def abort(self, request_ids: Iterable[str]) -> list[Request]:
+        """End requests early wherever they are; their blocks go back to the pool."""
+        aborted = []
+        for rid in request_ids:
+            req = self.requests.get(rid)
+            if req is None or req.is_finished:
+                continue
+            if req.status is RequestStatus.RUNNING:
+                self.running.remove(req)
+            else:
+                self.waiting.remove(req)
+            req.status = RequestStatus.FINISHED_ABORTED
+            self._retire(req)
+            aborted.append(req)
+        return aborted
+
+    def stop(self, req: Request) -> None:
+        """End a running request that a stop string matched after its token was appended."""
+        self.running.remove(req)
+        req.status = RequestStatus.FINISHED_STOPPED
+        self._retire(req)
+
+    def _retire(self, req: Request) -> None:
+        del self.requests[req.request_id]
+        self.kv.free(req.request_id)
+        self._finished.append(req.request_id)

@@ -1,0 +1,1 @@
+"""Building blocks of the models: linear, attention, norm, rotary and embedding layers."""

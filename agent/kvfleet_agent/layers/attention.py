@@ -1,0 +1,61 @@
+"""Paged attention layer: writes the step's K/V into the cache, then attends over block tables."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from kvfleet_kernels import reference
+from torch import nn
+
+
+@dataclass(slots=True)
+class PrefillSpan:
+    """A prefill chunk inside the step's token batch."""
+
+    query_start: int  # index of its first token in the batch
+    query_len: int
+    context_start: int  # tokens of this sequence already in the cache before the chunk
+    block_table: torch.Tensor  # [num_blocks] int64
+
+
+@dataclass(slots=True)
+class AttentionMetadata:
+    """Where every token of a step sits in the KV cache. Decodes come first in the batch."""
+
+    slot_mapping: torch.Tensor  # [T]
+    num_decodes: int
+    decode_block_tables: torch.Tensor  # [num_decodes, max_blocks]
+    decode_seq_lens: torch.Tensor  # [num_decodes], context length including the new token
+    # Decodes attend in groups of similar length (sorted by the runner): each group pads only to
+    # its own longest context, and its gathered K/V stays small enough to live in cache.
+    decode_groups: list[tuple[int, int, int]]  # (start, end, max_seq_len) over the decode rows
+    prefills: list[PrefillSpan]
+
+
+class PagedAttention(nn.Module):
+    """Attention for one layer over its slice of the paged KV cache (bound by the model runner)."""
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.scale = head_dim ** -0.5
+        self.k_cache = torch.empty(0)
+        self.v_cache = torch.empty(0)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """q [T, H, D], k/v [T, KVH, D] → [T, H, D]."""
+        reference.write_kv(self.k_cache, self.v_cache, k, v, meta.slot_mapping)
+        out = torch.empty_like(q)
+        for start, end, max_len in meta.decode_groups:
+            out[start:end] = reference.paged_decode_attention(
+                q[start:end], self.k_cache, self.v_cache, meta.decode_block_tables[start:end],
+                meta.decode_seq_lens[start:end], self.scale, max_len)
+        for p in meta.prefills:
+            span = slice(p.query_start, p.query_start + p.query_len)
+            if p.context_start == 0:  # nothing cached before the chunk: attend to its fresh K/V directly
+                out[span] = reference.causal_attention(q[span], k[span], v[span], self.scale)
+            else:
+                out[span] = reference.paged_prefill_attention(q[span], self.k_cache, self.v_cache, p.block_table,
+                                                              p.context_start + p.query_len, self.scale)
+        return out

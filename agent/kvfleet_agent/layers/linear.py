@@ -1,0 +1,103 @@
+"""Linear layers that load their own weights from Hugging Face tensors, packed and shard-aware.
+
+Each parameter carries a `weight_loader`, so the checkpoint loader stays generic and a model file
+only declares which checkpoint names are packed together. Tensor parallelism shards along the
+output (column) or input (row) dimension; with tp_size 1 these are plain linears.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+WeightLoader = Callable[[nn.Parameter, torch.Tensor, int | str | None], None]
+
+
+def attach_loader(param: nn.Parameter, loader: WeightLoader) -> nn.Parameter:
+    """Give a parameter its weight loader (read back by models/loader.py)."""
+    param.weight_loader = loader  # type: ignore[attr-defined]
+    return param
+
+
+class _Linear(nn.Module):
+    def __init__(self, in_features: int, out_features: int, bias: bool, tp_rank: int, tp_size: int) -> None:
+        super().__init__()
+        self.tp_rank, self.tp_size = tp_rank, tp_size
+        self.weight = attach_loader(nn.Parameter(torch.empty(out_features, in_features), requires_grad=False),
+                                    self.load)
+        self.bias = (attach_loader(nn.Parameter(torch.empty(out_features), requires_grad=False), self.load)
+                     if bias else None)
+
+    def load(self, param: nn.Parameter, loaded: torch.Tensor, shard: int | str | None = None) -> None:
+        raise NotImplementedError
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+def _copy(dst: torch.Tensor, src: torch.Tensor, name: str) -> None:
+    if dst.shape != src.shape:
+        raise ValueError(f"checkpoint tensor for {name} has shape {tuple(src.shape)}, "
+                         f"the model expects {tuple(dst.shape)}: does config.json match the weights?")
+    dst.copy_(src)
+
+
+class ColumnParallelLinear(_Linear):
+    """y = xAᵀ with A's rows (outputs) split across ranks; no communication."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False,
+                 tp_rank: int = 0, tp_size: int = 1) -> None:
+        super().__init__(in_features, out_features // tp_size, bias, tp_rank, tp_size)
+
+    def load(self, param: nn.Parameter, loaded: torch.Tensor, shard: int | str | None = None) -> None:
+        n = param.shape[0]
+        _copy(param.data, loaded.narrow(0, self.tp_rank * n, n), "a column-parallel weight")
+
+
+class MergedColumnParallelLinear(_Linear):
+    """Several column-parallel linears packed into one matmul (gate+up, or q+k+v)."""
+
+    def __init__(self, in_features: int, out_sizes: Sequence[int], bias: bool = False,
+                 tp_rank: int = 0, tp_size: int = 1, shard_names: Sequence[str] | None = None) -> None:
+        self.out_sizes = [s // tp_size for s in out_sizes]
+        self.shard_names = list(shard_names) if shard_names else [str(i) for i in range(len(out_sizes))]
+        super().__init__(in_features, sum(self.out_sizes), bias, tp_rank, tp_size)
+
+    def load(self, param: nn.Parameter, loaded: torch.Tensor, shard: int | str | None = None) -> None:
+        idx = self.shard_names.index(str(shard))
+        n = self.out_sizes[idx]
+        dst = param.data.narrow(0, sum(self.out_sizes[:idx]), n)
+        _copy(dst, loaded.narrow(0, self.tp_rank * n, n), f"packed shard {shard}")
+
+
+class QKVParallelLinear(MergedColumnParallelLinear):
+    """Query, key and value projections in one matmul; heads split across ranks."""
+
+    def __init__(self, hidden: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool = False,
+                 tp_rank: int = 0, tp_size: int = 1) -> None:
+        super().__init__(hidden, [num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim],
+                         bias, tp_rank, tp_size, shard_names=("q", "k", "v"))
+
+
+class RowParallelLinear(_Linear):
+    """y = xAᵀ with A's columns (inputs) split across ranks; the partial sums are all-reduced."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False,
+                 tp_rank: int = 0, tp_size: int = 1) -> None:
+        super().__init__(in_features // tp_size, out_features, bias, tp_rank, tp_size)
+
+    def load(self, param: nn.Parameter, loaded: torch.Tensor, shard: int | str | None = None) -> None:
+        if param.dim() == 1:  # the bias is added once, not per rank's partial sum
+            _copy(param.data, loaded, "a row-parallel bias")
+            return
+        n = param.shape[1]
+        _copy(param.data, loaded.narrow(1, self.tp_rank * n, n), "a row-parallel weight")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.linear(x, self.weight, self.bias if self.tp_rank == 0 else None)
+        if self.tp_size > 1:
+            torch.distributed.all_reduce(y)
+        return y

@@ -1,0 +1,28 @@
+"""RMSNorm, with the residual add fused in when one is passed."""
+
+from __future__ import annotations
+
+import torch
+from kvfleet_kernels import reference
+from torch import nn
+
+from kvfleet_agent.layers.linear import attach_loader
+
+
+def _load(param: nn.Parameter, loaded: torch.Tensor, shard: int | str | None = None) -> None:
+    param.data.copy_(loaded)
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square layer norm (Llama); forward(x, residual) also returns the new residual."""
+
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = attach_loader(nn.Parameter(torch.ones(size), requires_grad=False), _load)
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            return reference.rms_norm(x, self.weight, self.eps), x
+        return reference.add_rms_norm(x, residual, self.weight, self.eps)

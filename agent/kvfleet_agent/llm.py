@@ -1,0 +1,76 @@
+"""The offline API, in vLLM's shape: LLM(model=DIR, **engine_options).generate(prompts, params)."""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Sequence
+from typing import Any, TypedDict
+
+from tqdm import tqdm
+
+from kvfleet_agent.config import EngineConfig
+from kvfleet_agent.engine.engine import LLMEngine
+from kvfleet_agent.models.tokenizer import Tokenizer
+from kvfleet_agent.outputs import RequestOutput
+from kvfleet_agent.sampling_params import SamplingParams
+
+
+class TokensPrompt(TypedDict):
+    """A prompt given as token ids."""
+
+    prompt_token_ids: list[int]
+
+
+Prompt = str | TokensPrompt
+
+
+class LLM:
+    """A model loaded for batch generation; every prompt of a call is batched continuously."""
+
+    def __init__(self, model: str, **engine_options: Any) -> None:
+        self.engine = LLMEngine(EngineConfig.from_kwargs(model, **engine_options))
+        self._ids = itertools.count()
+
+    def get_tokenizer(self) -> Tokenizer | None:
+        """The model's tokenizer, or None when the checkpoint has no tokenizer.json."""
+        return self.engine.tokenizer
+
+    def generate(self, prompts: Prompt | Sequence[Prompt],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        """Generate for every prompt; returns outputs in prompt order."""
+        if isinstance(prompts, str | dict):
+            prompts = [prompts]
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        params = [sampling_params] * len(prompts) if isinstance(sampling_params, SamplingParams) \
+            else list(sampling_params)
+        if len(params) != len(prompts):
+            raise ValueError(f"got {len(prompts)} prompts but {len(params)} sampling_params: "
+                             "pass one SamplingParams or one per prompt")
+        order: dict[str, int] = {}
+        for i, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
+            rid = str(next(self._ids))
+            self.engine.add_request(rid, _prompt_of(prompt, i), p)
+            order[rid] = i
+        results: list[RequestOutput | None] = [None] * len(prompts)
+        bar = tqdm(total=len(prompts), desc="generate", unit="req", disable=not use_tqdm, dynamic_ncols=True)
+        start, tokens = time.perf_counter(), 0
+        with bar:
+            while self.engine.has_unfinished():
+                for t in self.engine.step():
+                    tokens += 1
+                    if t.request.is_finished:
+                        results[order[t.request.request_id]] = self.engine.output(t)
+                        bar.update(1)
+                        bar.set_postfix_str(f"{tokens / (time.perf_counter() - start):.0f} tok/s", refresh=False)
+        return [r for r in results if r is not None]
+
+
+def _prompt_of(prompt: Prompt, index: int) -> str | list[int]:
+    if isinstance(prompt, str):
+        return prompt
+    if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
+        return list(prompt["prompt_token_ids"])
+    raise ValueError(f"prompts[{index}] must be a string or {{'prompt_token_ids': [...]}}, got {type(prompt).__name__}")

@@ -1,0 +1,1 @@
+"""Model definitions, checkpoint loading and tokenizers."""

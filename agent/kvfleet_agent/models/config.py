@@ -1,0 +1,96 @@
+"""ModelConfig: the architecture facts read from a checkpoint's config.json, checked once."""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from typing import Any
+
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+
+
+def read_json(path: str) -> dict[str, Any]:
+    """A JSON object from disk, with the file named in every error."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+    except FileNotFoundError:
+        raise FileNotFoundError(f"{path} is missing: a Hugging Face model directory needs it") from None
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path} is not valid JSON ({e})") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{path} must hold a JSON object")
+    return data
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Shapes and options of a Llama-family decoder (Llama 2/3, Mistral, Qwen2)."""
+
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    max_position_embeddings: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict[str, Any] | None
+    qkv_bias: bool
+    o_bias: bool
+    mlp_bias: bool
+    tie_word_embeddings: bool
+    sliding_window: int | None
+    torch_dtype: str
+    eos_token_ids: tuple[int, ...]
+
+    @classmethod
+    def from_dir(cls, model_dir: str) -> ModelConfig:
+        """Parse model_dir/config.json, naming the field at fault in every error."""
+        path = os.path.join(model_dir, "config.json")
+        c = read_json(path)
+        archs = c.get("architectures") or []
+        arch = archs[0] if archs else {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
+                                        "qwen2": "Qwen2ForCausalLM"}.get(c.get("model_type", ""), "")
+        if arch not in SUPPORTED_ARCHITECTURES:
+            raise ValueError(f"{path}: architectures={archs or c.get('model_type')!r} is not supported; "
+                             f"kvfleet runs {', '.join(SUPPORTED_ARCHITECTURES)}")
+
+        def need(key: str) -> Any:
+            if key not in c:
+                raise ValueError(f"{path} lacks the field {key!r}, which {arch} needs")
+            return c[key]
+
+        heads = int(need("num_attention_heads"))
+        hidden = int(need("hidden_size"))
+        kv_heads = int(c.get("num_key_value_heads") or heads)
+        if heads % kv_heads:
+            raise ValueError(f"{path}: num_attention_heads={heads} is not a multiple of num_key_value_heads={kv_heads}")
+        qwen = arch == "Qwen2ForCausalLM"
+        window = c.get("sliding_window") if (not qwen or c.get("use_sliding_window")) else None
+        eos = c.get("eos_token_id")
+        return cls(
+            architecture=arch,
+            vocab_size=int(need("vocab_size")),
+            hidden_size=hidden,
+            intermediate_size=int(need("intermediate_size")),
+            num_layers=int(need("num_hidden_layers")),
+            num_heads=heads,
+            num_kv_heads=kv_heads,
+            head_dim=int(c.get("head_dim") or hidden // heads),
+            max_position_embeddings=int(c.get("max_position_embeddings", 2048)),
+            rms_norm_eps=float(c.get("rms_norm_eps", 1e-6)),
+            rope_theta=float(c.get("rope_theta", 10000.0)),
+            rope_scaling=c.get("rope_scaling"),
+            qkv_bias=qwen or bool(c.get("attention_bias", False)),
+            o_bias=not qwen and bool(c.get("attention_bias", False)),
+            mlp_bias=bool(c.get("mlp_bias", False)),
+            tie_word_embeddings=bool(c.get("tie_word_embeddings", False)),
+            sliding_window=int(window) if window else None,
+            torch_dtype=str(c.get("torch_dtype") or c.get("dtype") or "float32"),
+            eos_token_ids=tuple(eos if isinstance(eos, list) else [] if eos is None else [eos]),
+        )

@@ -1,0 +1,115 @@
+"""The Llama-family decoder (Llama 2/3, Mistral, Qwen2): plain model code over parallel layers."""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kvfleet_agent.layers.attention import AttentionMetadata, PagedAttention
+from kvfleet_agent.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from kvfleet_agent.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from kvfleet_agent.layers.norm import RMSNorm
+from kvfleet_agent.layers.rotary import RotaryEmbedding
+from kvfleet_agent.models.config import ModelConfig
+
+
+class LlamaAttention(nn.Module):
+    """Self-attention: packed QKV, rotary, paged attention, output projection."""
+
+    def __init__(self, cfg: ModelConfig, rope: RotaryEmbedding, tp_rank: int, tp_size: int) -> None:
+        super().__init__()
+        self.num_heads = cfg.num_heads // tp_size
+        self.num_kv_heads = cfg.num_kv_heads // tp_size
+        self.head_dim = cfg.head_dim
+        self.q_size, self.kv_size = self.num_heads * cfg.head_dim, self.num_kv_heads * cfg.head_dim
+        self.qkv_proj = QKVParallelLinear(cfg.hidden_size, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads,
+                                          cfg.qkv_bias, tp_rank, tp_size)
+        self.o_proj = RowParallelLinear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, cfg.o_bias, tp_rank, tp_size)
+        self.rope = rope
+        self.attn = PagedAttention(self.num_heads, self.num_kv_heads, cfg.head_dim)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        t = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q, k = self.rope(positions, q.view(t, self.num_heads, self.head_dim),
+                         k.view(t, self.num_kv_heads, self.head_dim))
+        out = self.attn(q, k, v.view(t, self.num_kv_heads, self.head_dim), meta)
+        return self.o_proj(out.view(t, self.q_size))  # type: ignore[no-any-return]
+
+
+class LlamaMLP(nn.Module):
+    """SwiGLU feed-forward with gate and up projections packed into one matmul."""
+
+    def __init__(self, cfg: ModelConfig, tp_rank: int, tp_size: int) -> None:
+        super().__init__()
+        n = cfg.intermediate_size
+        self.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size, [n, n], cfg.mlp_bias, tp_rank, tp_size,
+                                                       shard_names=("gate", "up"))
+        self.down_proj = RowParallelLinear(n, cfg.hidden_size, cfg.mlp_bias, tp_rank, tp_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)  # type: ignore[no-any-return]
+
+
+class LlamaDecoderLayer(nn.Module):
+    """Pre-norm attention and MLP blocks with the residual carried alongside."""
+
+    def __init__(self, cfg: ModelConfig, rope: RotaryEmbedding, tp_rank: int, tp_size: int) -> None:
+        super().__init__()
+        self.self_attn = LlamaAttention(cfg, rope, tp_rank, tp_size)
+        self.mlp = LlamaMLP(cfg, tp_rank, tp_size)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None,
+                meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        x, residual = self.input_layernorm(x, residual)
+        x = self.self_attn(positions, x, meta)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
+
+
+class LlamaForCausalLM(nn.Module):
+    """Token ids and positions of a step → hidden states; selected hidden states → logits."""
+
+    # checkpoint name fragment → (our parameter name fragment, shard id)
+    packed_modules: ClassVar[dict[str, tuple[str, str]]] = {
+        "q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v"),
+        "gate_proj": ("gate_up_proj", "gate"), "up_proj": ("gate_up_proj", "up"),
+    }
+
+    def __init__(self, cfg: ModelConfig, max_positions: int, dtype: torch.dtype,
+                 tp_rank: int = 0, tp_size: int = 1) -> None:
+        super().__init__()
+        self.cfg = cfg
+        rope = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling, dtype)
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp_rank, tp_size)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, rope, tp_rank, tp_size) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, tp_rank, tp_size)
+        if cfg.tie_word_embeddings:  # one matrix serves as both embedding and head
+            self.lm_head.weight = self.embed_tokens.weight
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)
+        residual = None
+        for layer in self.layers:
+            x, residual = layer(positions, x, residual, meta)
+        x, _ = self.norm(x, residual)
+        return x  # type: ignore[no-any-return]
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Logits over the whole vocabulary for the given hidden states."""
+        return self.lm_head(hidden)  # type: ignore[no-any-return]
+
+    def checkpoint_name(self, name: str) -> tuple[str, str | None]:
+        """Map a Hugging Face tensor name to our parameter name and shard id."""
+        name = name.removeprefix("model.")
+        for src, (dst, shard) in self.packed_modules.items():
+            if f".{src}." in name:
+                return name.replace(src, dst), shard
+        return name, None

@@ -1,0 +1,38 @@
+"""What generation returns: RequestOutput with one CompletionOutput, in vLLM's shape."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class Logprob:
+    """One step's log-probabilities: the chosen token's and the top alternatives'."""
+
+    token_id: int
+    logprob: float
+    top: dict[int, float] = field(default_factory=dict)
+
+
+@dataclass
+class CompletionOutput:
+    """The generated continuation of one request."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None = None  # "stop", "length" or "abort"
+    stop_reason: int | str | None = None  # the stop token id or stop string that matched
+    logprobs: list[Logprob] | None = None
+
+
+@dataclass
+class RequestOutput:
+    """A request's prompt and its output so far (final when `finished`)."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    num_cached_tokens: int = 0

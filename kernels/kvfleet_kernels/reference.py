@@ -1,0 +1,90 @@
+"""Plain PyTorch versions of every kernel: the CPU path of the engine and the oracle for Triton tests.
+
+Shapes (T tokens in a step, H query heads, KVH key/value heads, D head size, N blocks of bs slots):
+  k_cache, v_cache  [N, bs, KVH, D]
+  slot_mapping      [T]            flat slot (block_id * bs + offset) where each new token's K/V goes
+  block_tables      [B, max_blocks] int64, padded with any valid block id
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm computed in float32, cast back to x's dtype (as Llama does)."""
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """residual += x, then RMSNorm of the sum; returns (normed, new residual)."""
+    residual = residual + x
+    return rms_norm(residual, weight, eps), residual
+
+
+def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate-half (GPT-NeoX layout) rotary embedding; x [T, heads, D], cos/sin [T, D]."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos.unsqueeze(1) + rotated * sin.unsqueeze(1)
+
+
+def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    """Store new keys and values [T, KVH, D] into their cache slots."""
+    k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slot_mapping, k)
+    v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slot_mapping, v)
+
+
+def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
+    """One sequence's first `length` cached entries, [length, KVH, D], from its block table."""
+    num_blocks = -(-length // cache.shape[1])
+    return cache[block_table[:num_blocks]].flatten(0, 1)[:length]
+
+
+def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
+                           max_seq_len: int | None = None) -> torch.Tensor:
+    """One query token per sequence attending to its whole cached context.
+
+    q [B, H, D]; seq_lens [B] tokens in context (the query's own K/V already written); returns [B, H, D].
+    """
+    b, h, d = q.shape
+    bs = k_cache.shape[1]
+    max_len = int(seq_lens.max()) if max_seq_len is None else max_seq_len
+    nb = -(-max_len // bs)
+    # [B, nb, bs, KVH, D] -> [B, KVH, L, D]: padded to the longest context, the padding masked out.
+    k = k_cache[block_tables[:, :nb]].flatten(1, 2).transpose(1, 2)
+    v = v_cache[block_tables[:, :nb]].flatten(1, 2).transpose(1, 2)
+    valid = torch.arange(nb * bs, device=q.device) < seq_lens[:, None]  # [B, L]
+    out = F.scaled_dot_product_attention(q.view(b, h, 1, d), k, v, attn_mask=valid[:, None, None, :],
+                                         scale=scale, enable_gqa=True)
+    return out.view(b, h, d)
+
+
+def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                            block_table: torch.Tensor, seq_len: int, scale: float) -> torch.Tensor:
+    """A chunk of one sequence's queries (its last T positions) over its cached context, causal.
+
+    q [T, H, D]; the chunk's own K/V must already be in the cache; returns [T, H, D].
+    """
+    k = gather_kv(k_cache, block_table, seq_len)
+    v = gather_kv(v_cache, block_table, seq_len)
+    return causal_attention(q, k, v, scale)
+
+
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """Queries [T, H, D] that are the last T of the keys/values [L, KVH, D], each seeing its past."""
+    t, length = q.shape[0], k.shape[0]
+    qh, kh, vh = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)
+    if t == length:
+        out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale, enable_gqa=True)
+    else:
+        pos = torch.arange(length - t, length, device=q.device)
+        mask = torch.arange(length, device=q.device)[None, :] <= pos[:, None]
+        out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=scale, enable_gqa=True)
+    return out.transpose(0, 1)

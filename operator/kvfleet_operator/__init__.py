@@ -1,0 +1,1 @@
+"""kvfleet operator: reconciles InferenceDeployment resources (a stub until the operator issue lands)."""
