@@ -46,6 +46,7 @@ class Scheduler:
         self.running: list[Request] = []  # admission order: oldest first, preemption takes the newest
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
+        self.num_partial_prefills = 0  # prefill chunks that stopped short of the prompt's end
         self._finished: list[str] = []
         # Free blocks kept back at admission so running requests can grow a little before anyone is
         # preempted; admitting into the last block guarantees a preemption a few steps later.
@@ -141,6 +142,8 @@ class Scheduler:
 
     def _chunk(self, req: Request, n: int) -> ScheduledChunk:
         start = req.num_computed_tokens
+        if start + n < req.num_tokens:
+            self.num_partial_prefills += 1
         return ScheduledChunk(req.request_id, req.token_ids[start:start + n], start,
                               self.kv.block_table(req.request_id), start + n == req.num_tokens,
                               req.sampling_params)
