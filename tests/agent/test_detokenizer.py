@@ -7,6 +7,7 @@ from collections.abc import Sequence
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+
 from kvfleet_agent.engine.detokenizer import IncrementalDetokenizer
 from kvfleet_agent.models.tiny import TINY_EOS_ID, init_tiny
 from kvfleet_agent.models.tokenizer import Tokenizer

@@ -23,6 +23,7 @@ from hypothesis.stateful import (
     invariant,
     rule,
 )
+
 from kvfleet_agent.engine.kv_cache import BlockPool, KVCacheManager, hash_block
 
 BS = 4  # block size used by the unit tests

@@ -7,9 +7,12 @@ import json
 from pathlib import Path
 from typing import Any
 
-import kvfleet_agent.models.tiny as tiny_module
 import pytest
 import torch
+from safetensors import safe_open
+from safetensors.torch import load_file
+
+import kvfleet_agent.models.tiny as tiny_module
 from kvfleet_agent.models.tiny import (
     ARCHS,
     TINY_BOS_ID,
@@ -19,8 +22,6 @@ from kvfleet_agent.models.tiny import (
     init_tiny,
 )
 from kvfleet_agent.models.tokenizer import Tokenizer
-from safetensors import safe_open
-from safetensors.torch import load_file
 
 transformers = pytest.importorskip("transformers")
 

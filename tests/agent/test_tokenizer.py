@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+
 from kvfleet_agent.models.tiny import TINY_BOS_ID, TINY_EOS_ID, init_tiny
 from kvfleet_agent.models.tokenizer import Tokenizer
 

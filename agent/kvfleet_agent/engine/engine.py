@@ -63,6 +63,7 @@ class LLMEngine:
                 f"max_model_len={self.max_model_len}: raise kv_cache_memory_bytes (or gpu_memory_utilization) "
                 "or lower max_model_len")
         self.runner.allocate_kv_cache(num_blocks)
+        self.runner.warmup()
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens,
                                    config.enable_chunked_prefill)

@@ -16,6 +16,7 @@ from kvfleet_agent.models.config import ModelConfig
 from kvfleet_agent.models.llama import LlamaForCausalLM
 from kvfleet_agent.models.loader import load_weights
 from kvfleet_agent.outputs import Logprob
+from kvfleet_agent.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
 
@@ -79,6 +80,19 @@ class ModelRunner:
             shape = (num_blocks, self.block_size, layer.num_kv_heads, layer.head_dim)
             layer.k_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
             layer.v_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+
+    @torch.inference_mode()
+    def warmup(self) -> None:
+        """One throwaway prefill and decode, so the first real request does not pay for lazy init.
+
+        It writes K/V into block 0, which is harmless: no block is read before its owner writes it.
+        """
+        params = SamplingParams(max_tokens=1, temperature=0.0)
+        n = min(self.block_size, 8)
+        prefill = ScheduledChunk("warmup", [0] * n, 0, [0], True, params)
+        decode = ScheduledChunk("warmup-decode", [0], n - 1, [0], True, params)
+        self.execute(SchedulerOutput([prefill], n))
+        self.execute(SchedulerOutput([decode], 1, finished=["warmup", "warmup-decode"]))
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> tuple[dict[str, int], dict[str, Logprob]]:

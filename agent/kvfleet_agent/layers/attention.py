@@ -5,8 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from kvfleet_kernels import reference
 from torch import nn
+
+from kvfleet_kernels import reference
 
 
 @dataclass(slots=True)

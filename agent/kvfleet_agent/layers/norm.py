@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import torch
-from kvfleet_kernels import reference
 from torch import nn
 
 from kvfleet_agent.layers.linear import attach_loader
+from kvfleet_kernels import reference
 
 
 def _load(param: nn.Parameter, loaded: torch.Tensor, shard: int | str | None = None) -> None:

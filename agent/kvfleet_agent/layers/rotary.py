@@ -6,8 +6,9 @@ import math
 from typing import Any
 
 import torch
-from kvfleet_kernels import reference
 from torch import nn
+
+from kvfleet_kernels import reference
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 

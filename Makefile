@@ -1,0 +1,34 @@
+# The two commands of the README: `make demo` (set up, then the main job) and `make test`.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | sha256sum | cut -c1-12)
+
+.PHONY: setup demo test lint unit bench clean
+
+setup: $(STAMP)
+
+# Reinstalls only when pyproject.toml changes; pip's own cache (outside the repo) serves the wheels.
+$(STAMP): pyproject.toml
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e '.[dev]'
+	rm -f $(VENV)/.installed-* && touch $@
+
+demo: setup
+	$(VENV)/bin/kvfleet-agent demo
+
+lint: setup
+	@test ! -e operator/__init__.py || { echo "operator/__init__.py must not exist: it shadows the standard library's operator module"; exit 1; }
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/mypy
+
+unit: setup
+	$(PY) -m pytest -q
+
+test: lint unit
+
+bench: setup
+	$(PY) ../shared/bench/compare_throughput.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis

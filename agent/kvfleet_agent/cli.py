@@ -1,0 +1,113 @@
+"""kvfleet-agent command line: `model init-tiny`, `generate`, and `demo` (the README's main job)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+import time
+from collections.abc import Sequence
+
+DEMO_DIR = os.path.join(os.path.expanduser("~"), ".cache", "kvfleet", "tiny-llama")
+DEMO_PROMPTS = [
+    "The fleet of inference servers",
+    "Paged attention keeps the cache",
+    "Once upon a time, a small model",
+    "Kubernetes schedules every pod",
+]
+
+
+def _engine_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("engine")
+    g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    g.add_argument("--max-model-len", type=int, default=None)
+    g.add_argument("--max-num-seqs", type=int, default=128)
+    g.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    g.add_argument("--block-size", type=int, default=16)
+    g.add_argument("--kv-cache-memory-bytes", type=int, default=None, help="KV pool budget on CPU")
+    g.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    g.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false")
+    g.add_argument("--no-chunked-prefill", dest="enable_chunked_prefill", action="store_false")
+    g.add_argument("--seed", type=int, default=0)
+
+
+def _engine_options(a: argparse.Namespace) -> dict[str, object]:
+    keys = ("dtype", "max_model_len", "max_num_seqs", "max_num_batched_tokens", "block_size",
+            "kv_cache_memory_bytes", "gpu_memory_utilization", "enable_prefix_caching", "enable_chunked_prefill",
+            "seed")
+    return {k: getattr(a, k) for k in keys}
+
+
+def _generate(model: str, prompts: list[str], a: argparse.Namespace) -> None:
+    from kvfleet_agent import LLM, SamplingParams
+
+    llm = LLM(model=model, **_engine_options(a))
+    params = SamplingParams(max_tokens=a.max_tokens, temperature=a.temperature, top_p=a.top_p, top_k=a.top_k,
+                            seed=a.sampling_seed, ignore_eos=a.ignore_eos)
+    start = time.perf_counter()
+    outs = llm.generate(prompts, params, use_tqdm=sys.stderr.isatty())
+    seconds = time.perf_counter() - start
+    tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+    for o in outs:
+        print(f"\n>>> {o.prompt}\n{o.outputs[0].text!r}  [{len(o.outputs[0].token_ids)} tokens, "
+              f"{o.outputs[0].finish_reason}]")
+    print(f"\n{len(outs)} requests, {tokens} tokens in {seconds:.2f} s: {tokens / seconds:.1f} tokens/s")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the `kvfleet-agent` command."""
+    ap = argparse.ArgumentParser(prog="kvfleet-agent", description=__doc__)
+    ap.add_argument("--log-level", default="INFO")
+    sub = ap.add_subparsers(dest="command", required=True)
+
+    model = sub.add_parser("model", help="checkpoint utilities").add_subparsers(dest="action", required=True)
+    tiny = model.add_parser("init-tiny", help="write a small random checkpoint and a locally trained tokenizer")
+    tiny.add_argument("dir")
+    tiny.add_argument("--arch", default="llama", choices=["llama", "llama3", "qwen2", "mistral"])
+    tiny.add_argument("--seed", type=int, default=0)
+    tiny.add_argument("--shards", type=int, default=1)
+
+    for name, help_text in (("generate", "generate from prompts through the offline API"),
+                            ("demo", "make a tiny checkpoint (once) and generate from it")):
+        p = sub.add_parser(name, help=help_text)
+        if name == "generate":
+            p.add_argument("--model", required=True, help="Hugging Face model directory")
+            p.add_argument("--prompt", action="append", required=True, help="repeat for several prompts")
+        else:
+            p.add_argument("--dir", default=DEMO_DIR, help="where the tiny checkpoint lives")
+        p.add_argument("--max-tokens", type=int, default=32)
+        p.add_argument("--temperature", type=float, default=0.0)
+        p.add_argument("--top-p", type=float, default=1.0)
+        p.add_argument("--top-k", type=int, default=0)
+        p.add_argument("--sampling-seed", type=int, default=None)
+        p.add_argument("--ignore-eos", action="store_true")
+        _engine_flags(p)
+
+    a = ap.parse_args(argv)
+    logging.basicConfig(level=a.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        if a.command == "model":
+            from kvfleet_agent.models.tiny import init_tiny
+
+            print(init_tiny(a.dir, arch=a.arch, seed=a.seed, num_shards=a.shards))
+        elif a.command == "generate":
+            _generate(a.model, a.prompt, a)
+        else:
+            from kvfleet_agent.models.tiny import init_tiny
+
+            if not os.path.exists(os.path.join(a.dir, "config.json")):
+                print(f"writing a tiny random checkpoint to {a.dir}")
+                init_tiny(a.dir, arch="llama", hidden_size=256, intermediate_size=704, num_hidden_layers=4,
+                          num_attention_heads=8, num_key_value_heads=4)
+            a.ignore_eos = True
+            print("(the checkpoint has random weights: expect fluent-looking noise, not sense)")
+            _generate(a.dir, DEMO_PROMPTS, a)
+    except (ValueError, FileNotFoundError, TypeError) as e:
+        print(f"kvfleet-agent: error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
