@@ -52,8 +52,9 @@ class LLMEngine:
             log.warning("%s has no tokenizer.json: prompts must be token ids and outputs carry no text",
                         config.model)
         self.max_model_len = self._max_model_len()
-        self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids if self.tokenizer
-                                       else self.model_config.eos_token_ids)
+        # EOS from every source the checkpoint gives (config.json, generation_config.json, tokenizer_config.json).
+        self.eos_token_ids = frozenset(self.model_config.eos_token_ids) | frozenset(
+            self.tokenizer.eos_token_ids if self.tokenizer else ())
         self.runner = ModelRunner(config, self.model_config, self.max_model_len)
         budget = self.runner.kv_budget_bytes()
         num_blocks = budget // self.runner.bytes_per_block()
