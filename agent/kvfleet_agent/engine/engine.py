@@ -11,7 +11,7 @@ from kvfleet_agent.config import EngineConfig
 from kvfleet_agent.engine.detokenizer import IncrementalDetokenizer
 from kvfleet_agent.engine.kv_cache import KVCacheManager
 from kvfleet_agent.engine.model_runner import ModelRunner
-from kvfleet_agent.engine.request import Request
+from kvfleet_agent.engine.request import Request, RequestStatus
 from kvfleet_agent.engine.scheduler import Scheduler
 from kvfleet_agent.models.config import ModelConfig
 from kvfleet_agent.models.tokenizer import Tokenizer
@@ -28,6 +28,9 @@ class _Tracked:
     request: Request
     detokenizer: IncrementalDetokenizer | None
     logprobs: list[Logprob] | None
+    # Text safe to show so far: no partial character, no possible stop-string prefix. Every value
+    # it takes is a prefix of the final text, so streams can send differences.
+    text: str = ""
 
 
 @dataclass
@@ -142,7 +145,7 @@ class LLMEngine:
         outs = []
         for req in self.scheduler.abort(request_ids):
             self.counters.finished["abort"] += 1
-            outs.append(self._output(self._tracked.pop(req.request_id)))
+            outs.append(self.output(self._tracked.pop(req.request_id)))
         return outs
 
     def has_unfinished(self) -> bool:
@@ -174,26 +177,31 @@ class LLMEngine:
             if t.logprobs is not None:
                 t.logprobs.append(logprobs[req.request_id])
             if t.detokenizer is not None:
-                t.detokenizer.add_tokens([req.token_ids[-1]])
-                if t.detokenizer.stopped is not None and not req.is_finished:
-                    req.stop_reason = t.detokenizer.stopped
-                    self.scheduler.stop(req)
+                self._detokenize(t)
             if req.is_finished:
-                if t.detokenizer is not None:
-                    t.detokenizer.flush()  # release text held back as a possible stop-string prefix
                 self.counters.finished[req.status.value] += 1
                 del self._tracked[req.request_id]
             out.append(t)
         return out
 
-    def output(self, tracked: _Tracked) -> RequestOutput:
-        """The public view of a request's state."""
-        return self._output(tracked)
+    def _detokenize(self, t: _Tracked) -> None:
+        req, detok = t.request, t.detokenizer
+        assert detok is not None
+        t.text += detok.add_tokens([req.token_ids[-1]])
+        if detok.stopped is not None:  # a stop string wins, even in the step that hit max_tokens
+            req.stop_reason = detok.stopped
+            if req.is_finished:
+                req.status = RequestStatus.FINISHED_STOPPED
+            else:
+                self.scheduler.stop(req)
+        elif req.is_finished:
+            t.text += detok.flush()  # release text held back as a possible stop-string prefix
 
     @staticmethod
-    def _output(t: _Tracked) -> RequestOutput:
+    def output(t: _Tracked) -> RequestOutput:
+        """The public view of a request's state."""
         req = t.request
-        text = t.detokenizer.text if t.detokenizer is not None else ""
+        text = t.text
         finish = req.status.value if req.is_finished else None
         completion = CompletionOutput(0, text, req.output_token_ids, finish, req.stop_reason,
                                       list(t.logprobs) if t.logprobs is not None else None)
