@@ -38,11 +38,23 @@ class _Linear(nn.Module):
         return F.linear(x, self.weight, self.bias)
 
 
+def check_shape(loaded: torch.Tensor, expected: tuple[int, ...], name: str) -> None:
+    """Fail with both shapes named when a checkpoint tensor does not fit its parameter."""
+    if tuple(loaded.shape) != expected:
+        raise ValueError(f"checkpoint tensor for {name} has shape {tuple(loaded.shape)}, "
+                         f"the model expects {expected}: does config.json match the weights?")
+
+
 def _copy(dst: torch.Tensor, src: torch.Tensor, name: str) -> None:
-    if dst.shape != src.shape:
-        raise ValueError(f"checkpoint tensor for {name} has shape {tuple(src.shape)}, "
-                         f"the model expects {tuple(dst.shape)}: does config.json match the weights?")
+    check_shape(src, tuple(dst.shape), name)
     dst.copy_(src)
+
+
+def _full(param: nn.Parameter, dim: int, size: int) -> tuple[int, ...]:
+    """The unsharded shape of a parameter whose dimension `dim` has `size` entries on each rank."""
+    shape = list(param.shape)
+    shape[dim] = size
+    return tuple(shape)
 
 
 class ColumnParallelLinear(_Linear):
@@ -54,7 +66,9 @@ class ColumnParallelLinear(_Linear):
 
     def load(self, param: nn.Parameter, loaded: torch.Tensor, shard: int | str | None = None) -> None:
         n = param.shape[0]
-        _copy(param.data, loaded.narrow(0, self.tp_rank * n, n), "a column-parallel weight")
+        # Check the whole tensor before cutting this rank's share, or a too-large one would fit.
+        check_shape(loaded, _full(param, 0, n * self.tp_size), "a column-parallel layer")
+        _copy(param.data, loaded.narrow(0, self.tp_rank * n, n), "a column-parallel layer")
 
 
 class MergedColumnParallelLinear(_Linear):
@@ -69,6 +83,7 @@ class MergedColumnParallelLinear(_Linear):
     def load(self, param: nn.Parameter, loaded: torch.Tensor, shard: int | str | None = None) -> None:
         idx = self.shard_names.index(str(shard))
         n = self.out_sizes[idx]
+        check_shape(loaded, _full(param, 0, n * self.tp_size), f"packed shard {shard}")
         dst = param.data.narrow(0, sum(self.out_sizes[:idx]), n)
         _copy(dst, loaded.narrow(0, self.tp_rank * n, n), f"packed shard {shard}")
 
@@ -94,6 +109,7 @@ class RowParallelLinear(_Linear):
             _copy(param.data, loaded, "a row-parallel bias")
             return
         n = param.shape[1]
+        check_shape(loaded, _full(param, 1, n * self.tp_size), "a row-parallel weight")
         _copy(param.data, loaded.narrow(1, self.tp_rank * n, n), "a row-parallel weight")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -5,11 +5,12 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from kvfleet_agent.layers.linear import attach_loader
+from kvfleet_agent.layers.linear import attach_loader, check_shape
 from kvfleet_kernels import reference
 
 
 def _load(param: nn.Parameter, loaded: torch.Tensor, shard: int | str | None = None) -> None:
+    check_shape(loaded, tuple(param.shape), "a norm weight")
     param.data.copy_(loaded)
 
 

@@ -68,6 +68,9 @@ class ModelConfig:
         heads = int(need("num_attention_heads"))
         hidden = int(need("hidden_size"))
         kv_heads = int(c.get("num_key_value_heads") or heads)
+        for key, value in (("num_attention_heads", heads), ("hidden_size", hidden), ("num_key_value_heads", kv_heads)):
+            if value < 1:
+                raise ValueError(f"{path}: {key}={value} must be a positive integer")
         if heads % kv_heads:
             raise ValueError(f"{path}: num_attention_heads={heads} is not a multiple of num_key_value_heads={kv_heads}")
         qwen = arch == "Qwen2ForCausalLM"

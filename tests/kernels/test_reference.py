@@ -1,0 +1,433 @@
+"""Tests of the plain-PyTorch kernels (kvfleet_kernels.reference) and the layers built on them.
+
+Attention is checked against a dense causal attention written out longhand (explicit
+softmax(QKᵀ·scale + mask)·V in float64, key/value heads repeated for grouped-query attention) on
+random K/V scattered over a random permutation of cache blocks. RMSNorm and rotary embedding are
+checked against transformers, the reference implementation of the Llama family.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import pytest
+import torch
+
+from kvfleet_agent.layers.attention import AttentionMetadata, PagedAttention, PrefillSpan
+from kvfleet_agent.layers.norm import RMSNorm
+from kvfleet_agent.layers.rotary import SUPPORTED_ROPE_TYPES, RotaryEmbedding, inverse_frequencies
+from kvfleet_kernels import reference
+
+transformers = pytest.importorskip("transformers")
+from transformers import LlamaConfig  # noqa: E402
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS  # noqa: E402
+from transformers.models.llama.modeling_llama import (  # noqa: E402
+    LlamaRMSNorm,
+    LlamaRotaryEmbedding,
+    apply_rotary_pos_emb,
+)
+
+# Tolerances against the float64 longhand attention, by the dtype the kernel computed in.
+TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
+GARBAGE = 50.0  # scale of whatever sits in cache slots a sequence does not own: huge if ever attended to
+
+
+def assert_close_at(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype) -> None:
+    """assert_close (NaN fails) with atol = rtol = TOL[dtype]."""
+    torch.testing.assert_close(actual, expected, atol=TOL[dtype], rtol=TOL[dtype])
+
+
+def gen(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                    q_positions: torch.Tensor) -> torch.Tensor:
+    """q [T, H, D] at positions q_positions over k/v [L, KVH, D]; query i sees keys 0..q_positions[i]. float64."""
+    h, kvh = q.shape[1], k.shape[1]
+    group = h // kvh
+    qd, kd, vd = q.double(), k.double().repeat_interleave(group, dim=1), v.double().repeat_interleave(group, dim=1)
+    scores = torch.einsum("thd,lhd->htl", qd, kd) * scale  # [H, T, L]
+    visible = torch.arange(k.shape[0])[None, :] <= q_positions[:, None]  # [T, L]
+    scores = scores.masked_fill(~visible[None], float("-inf"))
+    return torch.einsum("htl,lhd->thd", torch.softmax(scores, dim=-1), vd)
+
+
+def empty_cache(num_blocks: int, bs: int, kvh: int, d: int, dtype: torch.dtype, g: torch.Generator
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """A K and V pool full of large random garbage (never zeros, so reading a wrong slot shows)."""
+    k = (torch.randn(num_blocks, bs, kvh, d, generator=g) * GARBAGE).to(dtype)
+    v = (torch.randn(num_blocks, bs, kvh, d, generator=g) * GARBAGE).to(dtype)
+    return k, v
+
+
+def slots_of(block_table: torch.Tensor, positions: torch.Tensor, bs: int) -> torch.Tensor:
+    return block_table[positions // bs] * bs + positions % bs
+
+
+def scatter_sequences(lengths: list[int], bs: int, kvh: int, d: int, dtype: torch.dtype, g: torch.Generator,
+                      spare_blocks: int = 3) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor],
+                                                       list[torch.Tensor], list[torch.Tensor]]:
+    """Random K/V for each sequence, written with write_kv into a random permutation of the pool's blocks.
+
+    Returns the caches, each sequence's block table, and each sequence's dense K and V.
+    """
+    need = [-(-n // bs) for n in lengths]
+    num_blocks = sum(need) + spare_blocks
+    k_cache, v_cache = empty_cache(num_blocks, bs, kvh, d, dtype, g)
+    perm = torch.randperm(num_blocks, generator=g)
+    tables, ks, vs = [], [], []
+    start = 0
+    for n, nb in zip(lengths, need, strict=True):
+        table = perm[start:start + nb].clone()
+        start += nb
+        k = torch.randn(n, kvh, d, generator=g).to(dtype)
+        v = torch.randn(n, kvh, d, generator=g).to(dtype)
+        reference.write_kv(k_cache, v_cache, k, v, slots_of(table, torch.arange(n), bs))
+        tables.append(table)
+        ks.append(k)
+        vs.append(v)
+    return k_cache, v_cache, tables, ks, vs
+
+
+def padded_tables(tables: list[torch.Tensor], num_blocks: int, g: torch.Generator) -> torch.Tensor:
+    """[B, max_blocks] int64, padded with random (valid) block ids, as the contract allows."""
+    width = max(len(t) for t in tables)
+    out = torch.randint(0, num_blocks, (len(tables), width), generator=g, dtype=torch.int64)
+    for i, t in enumerate(tables):
+        out[i, :len(t)] = t
+    return out
+
+
+HEADS = [(4, 4), (4, 2), (8, 2)]  # GQA groups 1, 2, 4
+
+
+# ---------------------------------------------------------------------------------------------
+# write_kv
+
+
+@pytest.mark.parametrize("bs", [1, 4, 16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_write_kv_writes_exactly_its_slots(bs: int, dtype: torch.dtype) -> None:
+    g = gen(bs)
+    num_blocks, kvh, d, t = 7, 2, 8, 5
+    k_cache, v_cache = empty_cache(num_blocks, bs, kvh, d, dtype, g)
+    k_before, v_before = k_cache.clone(), v_cache.clone()
+    slots = torch.randperm(num_blocks * bs, generator=g)[:t]
+    k = torch.randn(t, kvh, d, generator=g).to(dtype)
+    v = torch.randn(t, kvh, d, generator=g).to(dtype)
+    reference.write_kv(k_cache, v_cache, k, v, slots)
+    expect_k, expect_v = k_before.view(-1, kvh, d).clone(), v_before.view(-1, kvh, d).clone()
+    expect_k[slots], expect_v[slots] = k, v
+    assert torch.equal(k_cache.view(-1, kvh, d), expect_k)
+    assert torch.equal(v_cache.view(-1, kvh, d), expect_v)
+    # Each token sits at block slot // bs, offset slot % bs.
+    for i, s in enumerate(slots.tolist()):
+        assert torch.equal(k_cache[s // bs, s % bs], k[i])
+        assert torch.equal(v_cache[s // bs, s % bs], v[i])
+    untouched = torch.ones(num_blocks * bs, dtype=torch.bool)
+    untouched[slots] = False
+    assert torch.equal(k_cache.view(-1, kvh, d)[untouched], k_before.view(-1, kvh, d)[untouched])
+    assert torch.equal(v_cache.view(-1, kvh, d)[untouched], v_before.view(-1, kvh, d)[untouched])
+
+
+def test_gather_kv_returns_a_sequence_in_token_order() -> None:
+    g = gen(0)
+    k_cache, v_cache, tables, ks, vs = scatter_sequences([13, 6], 4, 2, 8, torch.float32, g)
+    for table, k, v in zip(tables, ks, vs, strict=True):
+        assert torch.equal(reference.gather_kv(k_cache, table, len(k)), k)
+        assert torch.equal(reference.gather_kv(v_cache, table, len(v)), v)
+
+
+# ---------------------------------------------------------------------------------------------
+# attention
+
+
+@pytest.mark.parametrize(("h", "kvh"), HEADS)
+@pytest.mark.parametrize(("t", "length"), [(1, 1), (7, 7), (1, 9), (5, 23)])
+def test_causal_attention_matches_dense(h: int, kvh: int, t: int, length: int) -> None:
+    g = gen(100 * h + 10 * t + length)
+    d = 16
+    q = torch.randn(t, h, d, generator=g)
+    k = torch.randn(length, kvh, d, generator=g)
+    v = torch.randn(length, kvh, d, generator=g)
+    scale = d ** -0.5
+    out = reference.causal_attention(q, k, v, scale)
+    assert out.shape == (t, h, d)
+    want = dense_attention(q, k, v, scale, torch.arange(length - t, length))
+    assert_close_at(out.double(), want, torch.float32)
+    if t == length:
+        # The first query sees only the first key: its output is exactly that value (per head group).
+        torch.testing.assert_close(out[0], v[0].repeat_interleave(h // kvh, dim=0), atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize(("h", "kvh"), HEADS)
+@pytest.mark.parametrize("bs", [1, 4, 16])
+@pytest.mark.parametrize("explicit_max", [False, True])
+def test_paged_decode_attention_matches_dense(h: int, kvh: int, bs: int, explicit_max: bool) -> None:
+    g = gen(1000 * h + 10 * bs + kvh)
+    d = 16
+    lengths = [1, 5, 17, 33, 50]  # mostly not multiples of the block size, different per sequence
+    k_cache, v_cache, tables, ks, vs = scatter_sequences(lengths, bs, kvh, d, torch.float32, g)
+    block_tables = padded_tables(tables, k_cache.shape[0], g)
+    q = torch.randn(len(lengths), h, d, generator=g)
+    scale = 0.7 * d ** -0.5
+    seq_lens = torch.tensor(lengths, dtype=torch.int64)
+    out = reference.paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale,
+                                           max(lengths) if explicit_max else None)
+    assert out.shape == (len(lengths), h, d)
+    for i, n in enumerate(lengths):
+        want = dense_attention(q[i:i + 1], ks[i], vs[i], scale, torch.tensor([n - 1]))
+        assert_close_at(out[i:i + 1].double(), want, torch.float32)
+
+
+@pytest.mark.parametrize(("h", "kvh"), HEADS)
+@pytest.mark.parametrize("bs", [1, 4, 16])
+@pytest.mark.parametrize(("t", "length"), [(1, 2), (5, 37), (13, 50), (16, 16), (20, 23)])
+def test_paged_prefill_attention_with_cached_prefix_matches_dense(h: int, kvh: int, bs: int, t: int,
+                                                                  length: int) -> None:
+    g = gen(7 * h + 3 * bs + t + 100 * length)
+    d = 16
+    # The sequence of interest shares the pool with another one, scattered over a random permutation.
+    k_cache, v_cache, tables, ks, vs = scatter_sequences([11, length], bs, kvh, d, torch.float32, g)
+    q = torch.randn(t, h, d, generator=g)
+    scale = d ** -0.5
+    out = reference.paged_prefill_attention(q, k_cache, v_cache, tables[1], length, scale)
+    assert out.shape == (t, h, d)
+    want = dense_attention(q, ks[1], vs[1], scale, torch.arange(length - t, length))
+    assert_close_at(out.double(), want, torch.float32)
+
+
+@pytest.mark.parametrize(("h", "kvh"), [(4, 4), (8, 2)])
+def test_paged_attention_bfloat16(h: int, kvh: int) -> None:
+    g = gen(h + kvh)
+    bs, d, dtype = 4, 32, torch.bfloat16
+    lengths = [3, 18, 29]
+    k_cache, v_cache, tables, ks, vs = scatter_sequences(lengths, bs, kvh, d, dtype, g)
+    scale = d ** -0.5
+    q = torch.randn(len(lengths), h, d, generator=g).to(dtype)
+    out = reference.paged_decode_attention(q, k_cache, v_cache, padded_tables(tables, k_cache.shape[0], g),
+                                           torch.tensor(lengths), scale)
+    assert out.dtype == dtype
+    for i, n in enumerate(lengths):
+        want = dense_attention(q[i:i + 1], ks[i], vs[i], scale, torch.tensor([n - 1]))
+        assert_close_at(out[i:i + 1].double(), want, dtype)
+    t = 9
+    qp = torch.randn(t, h, d, generator=g).to(dtype)
+    out = reference.paged_prefill_attention(qp, k_cache, v_cache, tables[2], lengths[2], scale)
+    assert out.dtype == dtype
+    want = dense_attention(qp, ks[2], vs[2], scale, torch.arange(lengths[2] - t, lengths[2]))
+    assert_close_at(out.double(), want, dtype)
+
+
+def test_paged_attention_layer_mixed_batch_matches_dense() -> None:
+    """One step through PagedAttention: two decodes, a fresh prompt and a chunk after a cached prefix."""
+    g = gen(42)
+    h, kvh, d, bs = 8, 2, 16, 4
+    layer = PagedAttention(h, kvh, d)
+    lengths = [9, 22, 6, 17]  # full context of each sequence after this step
+    new = [1, 1, 6, 5]  # tokens this step: decode, decode, whole prompt, chunk after 12 cached tokens
+    need = [-(-n // bs) for n in lengths]
+    num_blocks = sum(need) + 2
+    layer.k_cache, layer.v_cache = empty_cache(num_blocks, bs, kvh, d, torch.float32, g)
+    perm = torch.randperm(num_blocks, generator=g)
+    tables = [perm[sum(need[:i]):sum(need[:i + 1])] for i in range(4)]
+    ks = [torch.randn(n, kvh, d, generator=g) for n in lengths]
+    vs = [torch.randn(n, kvh, d, generator=g) for n in lengths]
+    for table, k, v, n, m in zip(tables, ks, vs, lengths, new, strict=True):  # the context computed earlier
+        reference.write_kv(layer.k_cache, layer.v_cache, k[:n - m], v[:n - m], slots_of(table, torch.arange(n - m), bs))
+    q = torch.randn(sum(new), h, d, generator=g)
+    positions = torch.cat([torch.arange(n - m, n) for n, m in zip(lengths, new, strict=True)])
+    seq = torch.cat([torch.full((m,), i) for i, m in enumerate(new)])
+    k_new = torch.cat([k[n - m:] for k, n, m in zip(ks, lengths, new, strict=True)])
+    v_new = torch.cat([v[n - m:] for v, n, m in zip(vs, lengths, new, strict=True)])
+    slot_mapping = torch.cat([slots_of(tables[i], positions[seq == i], bs) for i in range(4)])
+    meta = AttentionMetadata(
+        slot_mapping=slot_mapping,
+        num_decodes=2,
+        decode_block_tables=padded_tables(tables[:2], num_blocks, g),
+        decode_seq_lens=torch.tensor(lengths[:2]),
+        decode_groups=[(0, 2, max(lengths[:2]))],
+        prefills=[PrefillSpan(2, 6, 0, tables[2]), PrefillSpan(8, 5, 12, tables[3])],
+    )
+    out = layer(q, k_new, v_new, meta)
+    for i in range(4):
+        rows = seq == i
+        want = dense_attention(q[rows], ks[i], vs[i], layer.scale, positions[rows])
+        assert_close_at(out[rows].double(), want, torch.float32)
+    # The step's K/V landed in the cache.
+    for i in range(4):
+        torch.testing.assert_close(reference.gather_kv(layer.k_cache, tables[i], lengths[i]), ks[i], atol=0, rtol=0)
+        torch.testing.assert_close(reference.gather_kv(layer.v_cache, tables[i], lengths[i]), vs[i], atol=0, rtol=0)
+
+
+# ---------------------------------------------------------------------------------------------
+# RMSNorm
+
+
+def hf_rms_norm(weight: torch.Tensor, eps: float) -> torch.nn.Module:
+    norm = LlamaRMSNorm(weight.shape[0], eps=eps).to(weight.dtype)
+    with torch.no_grad():
+        norm.weight.copy_(weight)
+    return norm
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("hidden", "eps"), [(64, 1e-5), (200, 1e-6)])
+def test_rms_norm_matches_transformers(dtype: torch.dtype, hidden: int, eps: float) -> None:
+    g = gen(hidden)
+    x = (torch.randn(9, hidden, generator=g) * 3 + 0.5).to(dtype)
+    w = (1 + 0.3 * torch.randn(hidden, generator=g)).to(dtype)
+    hf = hf_rms_norm(w, eps)
+    with torch.no_grad():
+        want = hf(x)
+    got = reference.rms_norm(x, w, eps)
+    assert got.dtype == want.dtype == dtype
+    torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
+    # Not just a rescale: each row has unit RMS before the weight.
+    unit = reference.rms_norm(x.float(), torch.ones(hidden), eps)
+    torch.testing.assert_close(unit.pow(2).mean(-1), torch.ones(9), atol=1e-3, rtol=1e-3)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_add_rms_norm_returns_normed_sum_and_the_sum(dtype: torch.dtype) -> None:
+    g = gen(3)
+    hidden, eps = 96, 1e-5
+    x = torch.randn(5, hidden, generator=g).to(dtype)
+    res = (torch.randn(5, hidden, generator=g) * 2).to(dtype)
+    w = (1 + 0.3 * torch.randn(hidden, generator=g)).to(dtype)
+    normed, new_res = reference.add_rms_norm(x, res, w, eps)
+    assert torch.equal(new_res, x + res)
+    with torch.no_grad():
+        want = hf_rms_norm(w, eps)(x + res)
+    torch.testing.assert_close(normed, want, atol=1e-6, rtol=1e-6)
+
+
+def test_rms_norm_layer_with_and_without_residual() -> None:
+    g = gen(5)
+    hidden, eps = 64, 1e-5
+    layer = RMSNorm(hidden, eps)
+    with torch.no_grad():
+        layer.weight.copy_(1 + 0.3 * torch.randn(hidden, generator=g))
+    hf = hf_rms_norm(layer.weight.detach().clone(), eps)
+    x, res = torch.randn(4, hidden, generator=g), torch.randn(4, hidden, generator=g)
+    with torch.no_grad():
+        out, carried = layer(x)
+        torch.testing.assert_close(out, hf(x), atol=1e-6, rtol=1e-6)
+        assert torch.equal(carried, x)  # the first layer's residual is its input
+        out, carried = layer(x, res)
+        torch.testing.assert_close(out, hf(x + res), atol=1e-6, rtol=1e-6)
+        torch.testing.assert_close(carried, x + res, atol=0, rtol=0)
+
+
+# ---------------------------------------------------------------------------------------------
+# rotary embedding
+
+LLAMA3_SMALL = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 64}
+LLAMA3_REAL = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 8192}
+LLAMA3_OTHER = {"rope_type": "llama3", "factor": 4.0, "low_freq_factor": 2.0, "high_freq_factor": 8.0,
+                "original_max_position_embeddings": 256}
+
+ROPE_CASES: list[tuple[int, float, dict[str, Any] | None]] = [
+    (16, 10000.0, None),
+    (64, 1e6, None),
+    (32, 10000.0, {"rope_type": "default"}),
+    (16, 10000.0, {"rope_type": "linear", "factor": 4.0}),
+    (64, 500000.0, {"type": "linear", "factor": 2.0}),  # the older spelling of the key
+    (16, 500000.0, LLAMA3_SMALL),
+    (128, 500000.0, LLAMA3_REAL),
+    (64, 10000.0, LLAMA3_OTHER),
+]
+
+
+def hf_config(head_dim: int, theta: float, scaling: dict[str, Any] | None, max_pos: int = 512) -> Any:
+    heads = 4
+    params = {"rope_theta": theta, "rope_type": "default"} if scaling is None else {**scaling, "rope_theta": theta}
+    params.setdefault("rope_type", params.get("type", "default"))
+    return LlamaConfig(hidden_size=heads * head_dim, num_attention_heads=heads, num_key_value_heads=2,
+                       head_dim=head_dim, max_position_embeddings=max_pos, rope_parameters=params)
+
+
+def hf_inverse_frequencies(config: Any) -> torch.Tensor:
+    kind = config.rope_parameters["rope_type"]
+    if kind == "default":
+        inv, factor = LlamaRotaryEmbedding.compute_default_rope_parameters(config)
+    else:
+        inv, factor = ROPE_INIT_FUNCTIONS[kind](config, "cpu")
+    assert factor == 1.0  # no attention scaling for these rope types
+    return inv
+
+
+@pytest.mark.parametrize(("head_dim", "theta", "scaling"), ROPE_CASES)
+def test_inverse_frequencies_match_transformers(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> None:
+    got = inverse_frequencies(head_dim, theta, scaling)
+    want = hf_inverse_frequencies(hf_config(head_dim, theta, scaling))
+    assert got.shape == (head_dim // 2,)
+    torch.testing.assert_close(got, want.float(), atol=0, rtol=1e-6)
+
+
+LLAMA3_CASES = [c for c in ROPE_CASES if c[2] and c[2].get("rope_type") == "llama3"]
+
+
+@pytest.mark.parametrize(("head_dim", "theta", "scaling"), LLAMA3_CASES)
+def test_llama3_cases_cover_all_three_frequency_bands(head_dim: int, theta: float, scaling: dict[str, Any]) -> None:
+    plain = inverse_frequencies(head_dim, theta, None)
+    got = inverse_frequencies(head_dim, theta, scaling)
+    wavelen = 2 * math.pi / plain
+    old = scaling["original_max_position_embeddings"]
+    high = wavelen < old / scaling["high_freq_factor"]
+    low = wavelen > old / scaling["low_freq_factor"]
+    medium = ~high & ~low
+    assert high.any() and medium.any() and low.any()
+    torch.testing.assert_close(got[high], plain[high], atol=0, rtol=0)  # short wavelengths kept
+    torch.testing.assert_close(got[low], plain[low] / scaling["factor"], atol=0, rtol=1e-6)  # long ones slowed
+    assert ((got[medium] < plain[medium]) & (got[medium] > plain[medium] / scaling["factor"])).all()
+
+
+@pytest.mark.parametrize(("head_dim", "theta", "scaling"), ROPE_CASES)
+def test_rotary_tables_match_transformers(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> None:
+    max_pos = 512
+    rope = RotaryEmbedding(head_dim, max_pos, theta, scaling, torch.float32)
+    hf = LlamaRotaryEmbedding(hf_config(head_dim, theta, scaling, max_pos))
+    positions = torch.randint(0, max_pos, (40,), generator=gen(head_dim))
+    with torch.no_grad():
+        cos, sin = hf(torch.randn(1, 40, head_dim), positions[None])
+    torch.testing.assert_close(rope.cos[positions], cos[0], atol=2e-5, rtol=0)
+    torch.testing.assert_close(rope.sin[positions], sin[0], atol=2e-5, rtol=0)
+
+
+@pytest.mark.parametrize(("h", "kvh"), HEADS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("scaling", [None, LLAMA3_SMALL])
+def test_rotary_matches_transformers_apply_rotary_pos_emb(h: int, kvh: int, dtype: torch.dtype,
+                                                         scaling: dict[str, Any] | None) -> None:
+    g = gen(h * 10 + kvh)
+    d, t, max_pos = 32, 23, 300
+    rope = RotaryEmbedding(d, max_pos, 500000.0, scaling, dtype)
+    positions = torch.randint(0, max_pos, (t,), generator=g)  # unsorted, with repeats allowed
+    q = torch.randn(t, h, d, generator=g).to(dtype)
+    k = torch.randn(t, kvh, d, generator=g).to(dtype)
+    q_out, k_out = rope(positions, q, k)
+    # Our layout [T, heads, D] with cos/sin [T, D] is HF's [batch, heads, seq, D] with unsqueeze_dim=1.
+    q_want, k_want = apply_rotary_pos_emb(q, k, rope.cos[positions], rope.sin[positions], unsqueeze_dim=1)
+    assert q_out.dtype == k_out.dtype == dtype
+    torch.testing.assert_close(q_out, q_want, atol=0, rtol=0)
+    torch.testing.assert_close(k_out, k_want, atol=0, rtol=0)
+    # The rotation preserves each head's norm and actually rotates (position 0 excepted).
+    assert_close_at(q_out.float().norm(dim=-1), q.float().norm(dim=-1), dtype)
+    moved = positions > 0
+    assert not torch.allclose(q_out[moved].float(), q[moved].float(), atol=1e-2)
+
+
+@pytest.mark.parametrize("kind", ["yarn", "dynamic", "longrope", "su", "made-up"])
+def test_unsupported_rope_types_raise(kind: str) -> None:
+    scaling = {"rope_type": kind, "factor": 4.0, "original_max_position_embeddings": 64}
+    for call in (lambda: inverse_frequencies(16, 10000.0, scaling),
+                 lambda: RotaryEmbedding(16, 32, 10000.0, scaling, torch.float32)):
+        with pytest.raises(ValueError, match="rope_scaling") as info:
+            call()
+        assert kind in str(info.value)
+        assert all(t in str(info.value) for t in SUPPORTED_ROPE_TYPES)
