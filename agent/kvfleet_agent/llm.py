@@ -49,11 +49,13 @@ class LLM:
         if len(params) != len(prompts):
             raise ValueError(f"got {len(prompts)} prompts but {len(params)} sampling_params: "
                              "pass one SamplingParams or one per prompt")
+        # Validate every prompt before queueing any, so a bad one leaves nothing behind.
+        reqs = [self.engine.make_request(str(next(self._ids)), _prompt_of(prompt, i), p)
+                for i, (prompt, p) in enumerate(zip(prompts, params, strict=True))]
         order: dict[str, int] = {}
-        for i, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
-            rid = str(next(self._ids))
-            self.engine.add_request(rid, _prompt_of(prompt, i), p)
-            order[rid] = i
+        for i, req in enumerate(reqs):
+            self.engine.add(req)
+            order[req.request_id] = i
         results: list[RequestOutput | None] = [None] * len(prompts)
         bar = tqdm(total=len(prompts), desc="generate", unit="req", disable=not use_tqdm, dynamic_ncols=True)
         start, tokens = time.perf_counter(), 0

@@ -7,7 +7,7 @@ import itertools
 import logging
 import queue
 import threading
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 
@@ -42,7 +42,8 @@ class AsyncLLM:
         self._inbox: queue.SimpleQueue[tuple[str, object, Future[None] | None]] = queue.SimpleQueue()
         self._streams: dict[str, _Stream] = {}
         self._ids = itertools.count()
-        self._stopping = False
+        self._closed = False  # shutdown() was called: take no new requests
+        self._stopped = False  # the engine thread handled "stop": leave the loop
         self.error: BaseException | None = None
         self._thread = threading.Thread(target=self._loop, name="kvfleet-engine", daemon=True)
         self._thread.start()
@@ -62,14 +63,18 @@ class AsyncLLM:
         return len(self._streams)
 
     async def generate(self, prompt: str | Sequence[int], params: SamplingParams,
-                       request_id: str | None = None) -> AsyncIterator[RequestOutput]:
+                       request_id: str | None = None) -> AsyncGenerator[RequestOutput, None]:
         """Stream a request's cumulative outputs; leaving the iteration early aborts the request.
 
         Invalid input raises ValueError before anything is queued.
         """
         if self.error is not None:
             raise EngineDeadError("the engine has failed") from self.error
+        if self._closed:
+            raise EngineDeadError("the engine is shut down")
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
+        if rid in self._streams:
+            raise ValueError(f"request_id {rid!r} is already in use by a running request: pick another")
         req = self.engine.make_request(rid, prompt, params)
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
         self._streams[rid] = stream
@@ -78,6 +83,8 @@ class AsyncLLM:
         try:
             while not finished:
                 item = await stream.queue.get()
+                if isinstance(item, ValueError):
+                    raise item
                 if isinstance(item, BaseException):
                     raise EngineDeadError("the engine failed while serving this request") from item
                 finished = item.finished
@@ -88,9 +95,11 @@ class AsyncLLM:
                 self._post("abort", rid)
 
     async def abort(self, request_id: str) -> None:
-        """Abort a request and wait until its blocks are back in the pool."""
+        """Abort a request and wait until its blocks are back in the pool.
+
+        A consumer still iterating the request's stream gets a last output with finish_reason "abort".
+        """
         done: Future[None] = Future()
-        self._streams.pop(request_id, None)
         self._post("abort", request_id, done)
         await asyncio.wrap_future(done)
 
@@ -101,8 +110,8 @@ class AsyncLLM:
         await asyncio.wrap_future(done)
 
     def shutdown(self, timeout: float = 10.0) -> None:
-        """Stop the engine thread (requests still running are aborted)."""
-        self._stopping = True
+        """Stop the engine thread; requests still queued or running end with finish_reason "abort"."""
+        self._closed = True
         self._post("stop", None)
         self._thread.join(timeout)
 
@@ -120,26 +129,34 @@ class AsyncLLM:
             block = False
             if op == "add":
                 assert isinstance(arg, Request)
-                self.engine.add(arg)
-            elif op == "abort":
-                self.engine.abort([str(arg)])
+                try:
+                    self.engine.add(arg)
+                except ValueError as e:  # one bad request must not take the engine down
+                    self._deliver(arg.request_id, e)
+            elif op in ("abort", "stop"):
+                ids = [str(arg)] if op == "abort" else self.engine.unfinished_ids()
+                for out in self.engine.abort(ids):
+                    self._deliver(out.request_id, out)
+                self._stopped = self._stopped or op == "stop"
             if done is not None:
                 done.set_result(None)
 
+    def _deliver(self, request_id: str, item: RequestOutput | BaseException) -> None:
+        """Hand an output (or error) to the request's consumer; its last item closes the stream."""
+        last = not isinstance(item, RequestOutput) or item.finished
+        stream = self._streams.pop(request_id, None) if last else self._streams.get(request_id)
+        if stream is not None:
+            stream.loop.call_soon_threadsafe(stream.queue.put_nowait, item)
+
     def _loop(self) -> None:
         try:
-            while not self._stopping:
+            while not self._stopped:
                 self._drain_inbox(block=not self.engine.has_unfinished())
-                if self._stopping or not self.engine.has_unfinished():
+                if self._stopped or not self.engine.has_unfinished():
                     continue
                 for t in self.engine.step():
-                    stream = self._streams.get(t.request.request_id)
-                    if stream is None:
-                        continue
-                    out = self.engine.output(t)
-                    if out.finished:
-                        self._streams.pop(t.request.request_id, None)
-                    stream.loop.call_soon_threadsafe(stream.queue.put_nowait, out)
+                    if t.request.request_id in self._streams:
+                        self._deliver(t.request.request_id, self.engine.output(t))
         except BaseException as e:  # a failed step must not leave clients waiting forever
             log.exception("engine loop failed")
             self.error = e

@@ -148,6 +148,10 @@ class LLMEngine:
             outs.append(self.output(self._tracked.pop(req.request_id)))
         return outs
 
+    def unfinished_ids(self) -> list[str]:
+        """Ids of every request waiting or running."""
+        return list(self.scheduler.requests)
+
     def has_unfinished(self) -> bool:
         """Whether any request is waiting or running."""
         return self.scheduler.has_work()

@@ -84,6 +84,8 @@ def _cut(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Te
     drop = ranks[None, :] >= k[:, None]
     probs = torch.softmax(sorted_logits.masked_fill(drop, float("-inf")), dim=-1)
     before = probs.cumsum(dim=-1) - probs  # mass strictly above each token: the top token is always kept
-    drop |= before > torch.tensor(top_p, device=logits.device)[:, None]
+    p = torch.tensor(top_p, device=logits.device)[:, None]
+    # Rows with top_p == 1 skip the nucleus cut: a float32 cumsum can round past 1.0 in a long tail.
+    drop |= (before > p) & (p < 1.0)
     sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
     return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
