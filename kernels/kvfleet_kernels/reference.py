@@ -43,24 +43,37 @@ def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: t
 def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
     """One sequence's first `length` cached entries, [length, KVH, D], from its block table."""
     num_blocks = -(-length // cache.shape[1])
-    return cache[block_table[:num_blocks]].flatten(0, 1)[:length]
+    return cache.index_select(0, block_table[:num_blocks]).flatten(0, 1)[:length]
+
+
+def decode_plan(block_tables: torch.Tensor, seq_lens: torch.Tensor, block_size: int,
+                max_seq_len: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """What paged_decode_attention gathers: (flat block index [B * nb], valid-slot mask [B, nb * block_size]).
+
+    It depends only on the step, not the layer, so a model computes it once per step.
+    """
+    max_len = int(seq_lens.max()) if max_seq_len is None else max_seq_len
+    nb = -(-max_len // block_size)
+    valid = torch.arange(nb * block_size, device=seq_lens.device) < seq_lens[:, None]
+    return block_tables[:, :nb].reshape(-1), valid
 
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
-                           max_seq_len: int | None = None) -> torch.Tensor:
+                           max_seq_len: int | None = None,
+                           plan: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """One query token per sequence attending to its whole cached context.
 
     q [B, H, D]; seq_lens [B] tokens in context (the query's own K/V already written); returns [B, H, D].
+    `plan` is decode_plan(...) of these arguments, when the caller already has it.
     """
     b, h, d = q.shape
-    bs = k_cache.shape[1]
-    max_len = int(seq_lens.max()) if max_seq_len is None else max_seq_len
-    nb = -(-max_len // bs)
-    # [B, nb, bs, KVH, D] -> [B, KVH, L, D]: padded to the longest context, the padding masked out.
-    k = k_cache[block_tables[:, :nb]].flatten(1, 2).transpose(1, 2)
-    v = v_cache[block_tables[:, :nb]].flatten(1, 2).transpose(1, 2)
-    valid = torch.arange(nb * bs, device=q.device) < seq_lens[:, None]  # [B, L]
+    flat, valid = plan if plan is not None else decode_plan(block_tables, seq_lens, k_cache.shape[1], max_seq_len)
+    length = valid.shape[1]
+    # [B * nb, bs, KVH, D] -> [B, KVH, L, D]: padded to the longest context, the padding masked out.
+    # index_select over a flat, contiguous index: several times faster on CPU than tensor indexing.
+    k = k_cache.index_select(0, flat).view(b, length, *k_cache.shape[2:]).transpose(1, 2)
+    v = v_cache.index_select(0, flat).view(b, length, *v_cache.shape[2:]).transpose(1, 2)
     out = F.scaled_dot_product_attention(q.view(b, h, 1, d), k, v, attn_mask=valid[:, None, None, :],
                                          scale=scale, enable_gqa=True)
     return out.view(b, h, d)

@@ -17,7 +17,6 @@ import pytest
 
 from kvfleet_agent.engine.async_llm import AsyncLLM
 from kvfleet_agent.llm import LLM
-from kvfleet_agent.models.tiny import init_tiny
 from kvfleet_agent.outputs import RequestOutput
 from kvfleet_agent.sampling_params import SamplingParams
 
@@ -43,8 +42,8 @@ HANG_TIMEOUT_S = 3.0  # how long a stream may take to end after abort/shutdown b
 
 
 @pytest.fixture(scope="module")
-def ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return Path(init_tiny(str(tmp_path_factory.mktemp("tiny_async") / "llama"), arch="llama"))
+def ckpt(tiny_checkpoint: Callable[..., str]) -> Path:
+    return Path(tiny_checkpoint("llama"))
 
 
 @pytest.fixture(scope="module")

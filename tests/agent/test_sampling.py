@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import math
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +19,6 @@ from hypothesis import strategies as st
 
 from kvfleet_agent.engine.sampler import Sampler, _cut
 from kvfleet_agent.llm import LLM, Prompt
-from kvfleet_agent.models.tiny import init_tiny
 from kvfleet_agent.models.tokenizer import Tokenizer
 from kvfleet_agent.outputs import CompletionOutput
 from kvfleet_agent.sampling_params import MAX_STOP_STRINGS, SamplingParams
@@ -38,8 +38,8 @@ PROMPTS = ["The quick brown fox", "hello world", "one two three four five", "caf
 
 
 @pytest.fixture(scope="module")
-def ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return Path(init_tiny(str(tmp_path_factory.mktemp("tiny_sampling") / "llama"), arch="llama"))
+def ckpt(tiny_checkpoint: Callable[..., str]) -> Path:
+    return Path(tiny_checkpoint("llama"))
 
 
 @pytest.fixture(scope="module")

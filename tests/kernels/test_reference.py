@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 import torch
 
-from kvfleet_agent.layers.attention import AttentionMetadata, PagedAttention, PrefillSpan
+from kvfleet_agent.layers.attention import AttentionMetadata, DecodeGroup, PagedAttention, PrefillSpan
 from kvfleet_agent.layers.norm import RMSNorm
 from kvfleet_agent.layers.rotary import SUPPORTED_ROPE_TYPES, RotaryEmbedding, inverse_frequencies
 from kvfleet_kernels import reference
@@ -243,12 +243,13 @@ def test_paged_attention_layer_mixed_batch_matches_dense() -> None:
     k_new = torch.cat([k[n - m:] for k, n, m in zip(ks, lengths, new, strict=True)])
     v_new = torch.cat([v[n - m:] for v, n, m in zip(vs, lengths, new, strict=True)])
     slot_mapping = torch.cat([slots_of(tables[i], positions[seq == i], bs) for i in range(4)])
+    decode_tables, decode_lens = padded_tables(tables[:2], num_blocks, g), torch.tensor(lengths[:2])
     meta = AttentionMetadata(
         slot_mapping=slot_mapping,
         num_decodes=2,
-        decode_block_tables=padded_tables(tables[:2], num_blocks, g),
-        decode_seq_lens=torch.tensor(lengths[:2]),
-        decode_groups=[(0, 2, max(lengths[:2]))],
+        decode_block_tables=decode_tables,
+        decode_seq_lens=decode_lens,
+        decode_groups=[DecodeGroup(0, 2, *reference.decode_plan(decode_tables, decode_lens, bs))],
         prefills=[PrefillSpan(2, 6, 0, tables[2]), PrefillSpan(8, 5, 12, tables[3])],
     )
     out = layer(q, k_new, v_new, meta)
@@ -410,7 +411,8 @@ def test_rotary_matches_transformers_apply_rotary_pos_emb(h: int, kvh: int, dtyp
     positions = torch.randint(0, max_pos, (t,), generator=g)  # unsorted, with repeats allowed
     q = torch.randn(t, h, d, generator=g).to(dtype)
     k = torch.randn(t, kvh, d, generator=g).to(dtype)
-    q_out, k_out = rope(positions, q, k)
+    qk_out = rope(positions, torch.cat([q, k], dim=1))  # the model rotates q and k in one call
+    q_out, k_out = qk_out[:, :h], qk_out[:, h:]
     # Our layout [T, heads, D] with cos/sin [T, D] is HF's [batch, heads, seq, D] with unsqueeze_dim=1.
     q_want, k_want = apply_rotary_pos_emb(q, k, rope.cos[positions], rope.sin[positions], unsqueeze_dim=1)
     assert q_out.dtype == k_out.dtype == dtype

@@ -11,12 +11,13 @@ import torch
 from kvfleet_agent.config import EngineConfig
 from kvfleet_agent.engine.sampler import Sampler
 from kvfleet_agent.engine.scheduler import ScheduledChunk, SchedulerOutput
-from kvfleet_agent.layers.attention import AttentionMetadata, PagedAttention, PrefillSpan
+from kvfleet_agent.layers.attention import AttentionMetadata, DecodeGroup, PagedAttention, PrefillSpan
 from kvfleet_agent.models.config import ModelConfig
 from kvfleet_agent.models.llama import LlamaForCausalLM
 from kvfleet_agent.models.loader import load_weights
 from kvfleet_agent.outputs import Logprob
 from kvfleet_agent.sampling_params import SamplingParams
+from kvfleet_kernels import reference
 
 log = logging.getLogger(__name__)
 
@@ -110,6 +111,17 @@ class ModelRunner:
         return (dict(zip(ids, tokens, strict=True)),
                 {rid: lp for rid, lp in zip(ids, logprobs, strict=True) if lp is not None})
 
+    def _decode_groups(self, tables: np.ndarray, positions: np.ndarray) -> list[DecodeGroup]:
+        """Split the (length-sorted) decode rows into groups and plan each group's gather once."""
+        groups = []
+        for start in range(0, len(positions), DECODE_GROUP):
+            end = min(start + DECODE_GROUP, len(positions))
+            seq_lens = torch.from_numpy(positions[start:end] + 1)
+            flat, valid = reference.decode_plan(torch.from_numpy(tables[start:end]), seq_lens, self.block_size,
+                                                int(positions[end - 1]) + 1)
+            groups.append(DecodeGroup(start, end, flat.to(self.device), valid.to(self.device)))
+        return groups
+
     def _prepare(self, chunks: list[ScheduledChunk]
                  ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor, list[ScheduledChunk]]:
         """Flatten the chunks into one token batch (decodes first) and its attention metadata."""
@@ -146,8 +158,7 @@ class ModelRunner:
             num_decodes=nd,
             decode_block_tables=torch.from_numpy(tables).to(dev),
             decode_seq_lens=torch.from_numpy(d_pos + 1).to(dev),
-            decode_groups=[(i, min(i + DECODE_GROUP, nd), int(d_pos[min(i + DECODE_GROUP, nd) - 1]) + 1)
-                           for i in range(0, nd, DECODE_GROUP)],
+            decode_groups=self._decode_groups(tables, d_pos),
             prefills=spans,
         )
         samplers = [c for c in decodes if c.sample] + [c for c in prefills if c.sample]

@@ -86,7 +86,11 @@ class Scheduler:
                 if (remaining == 1) != decodes_pass or req.request_id in scheduled:
                     continue
                 n = min(remaining, budget)
-                if not self._grow_or_preempt(req, req.num_computed_tokens + n, preempted):
+                if not decodes_pass:
+                    # Prefills hold blocks for all their known tokens since admission, so they never
+                    # grow here, and so never preempt a request this step has already scheduled.
+                    assert len(self.kv.block_table(req.request_id)) >= self.kv.blocks_for(req.num_tokens)
+                elif not self._grow_or_preempt(req, req.num_computed_tokens + n, preempted):
                     break  # req itself was the newest and went back to the queue
                 chunks.append(self._chunk(req, n))
                 scheduled.add(req.request_id)

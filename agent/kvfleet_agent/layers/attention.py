@@ -21,6 +21,16 @@ class PrefillSpan:
 
 
 @dataclass(slots=True)
+class DecodeGroup:
+    """Decode rows start:end of the batch and what they gather (the same in every layer)."""
+
+    start: int
+    end: int
+    flat_block_index: torch.Tensor  # [rows * num_blocks]
+    valid: torch.Tensor  # [rows, num_blocks * block_size] bool
+
+
+@dataclass(slots=True)
 class AttentionMetadata:
     """Where every token of a step sits in the KV cache. Decodes come first in the batch."""
 
@@ -30,7 +40,7 @@ class AttentionMetadata:
     decode_seq_lens: torch.Tensor  # [num_decodes], context length including the new token
     # Decodes attend in groups of similar length (sorted by the runner): each group pads only to
     # its own longest context, and its gathered K/V stays small enough to live in cache.
-    decode_groups: list[tuple[int, int, int]]  # (start, end, max_seq_len) over the decode rows
+    decode_groups: list[DecodeGroup]
     prefills: list[PrefillSpan]
 
 
@@ -48,10 +58,10 @@ class PagedAttention(nn.Module):
         """q [T, H, D], k/v [T, KVH, D] → [T, H, D]."""
         reference.write_kv(self.k_cache, self.v_cache, k, v, meta.slot_mapping)
         out = torch.empty_like(q)
-        for start, end, max_len in meta.decode_groups:
-            out[start:end] = reference.paged_decode_attention(
-                q[start:end], self.k_cache, self.v_cache, meta.decode_block_tables[start:end],
-                meta.decode_seq_lens[start:end], self.scale, max_len)
+        for g in meta.decode_groups:
+            out[g.start:g.end] = reference.paged_decode_attention(
+                q[g.start:g.end], self.k_cache, self.v_cache, meta.decode_block_tables[g.start:g.end],
+                meta.decode_seq_lens[g.start:g.end], self.scale, plan=(g.flat_block_index, g.valid))
         for p in meta.prefills:
             span = slice(p.query_start, p.query_start + p.query_len)
             if p.context_start == 0:  # nothing cached before the chunk: attend to its fresh K/V directly

@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvfleet_agent.layers.linear import attach_loader
+from kvfleet_agent.layers.linear import attach_loader, linear
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -41,7 +41,7 @@ class ParallelLMHead(VocabParallelEmbedding):
     """Hidden states → logits over the full vocabulary (each rank computes its slice, then gather)."""
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = F.linear(hidden, self.weight)
+        logits = linear(hidden, self.weight)
         if self.tp_size == 1:
             return logits
         parts = [torch.empty(hidden.shape[0], self.per_rank, dtype=logits.dtype, device=logits.device)

@@ -50,7 +50,7 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", emb.cos().to(dtype), persistent=False)
         self.register_buffer("sin", emb.sin().to(dtype), persistent=False)
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
-                ) -> tuple[torch.Tensor, torch.Tensor]:
-        cos, sin = self.cos[positions], self.sin[positions]
-        return reference.rotary(q, cos, sin), reference.rotary(k, cos, sin)
+    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """Rotate x [T, heads, D] by each token's position (queries and keys together in one call)."""
+        cos, sin = self.cos.index_select(0, positions), self.sin.index_select(0, positions)
+        return reference.rotary(x, cos, sin)

@@ -32,11 +32,12 @@ class LlamaAttention(nn.Module):
         self.attn = PagedAttention(self.num_heads, self.num_kv_heads, cfg.head_dim)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        t = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q, k = self.rope(positions, q.view(t, self.num_heads, self.head_dim),
-                         k.view(t, self.num_kv_heads, self.head_dim))
-        out = self.attn(q, k, v.view(t, self.num_kv_heads, self.head_dim), meta)
+        t, h, kvh = x.shape[0], self.num_heads, self.num_kv_heads
+        qkv = self.qkv_proj(x)
+        # q and k sit side by side in the packed output: rotate them in one pass.
+        qk = self.rope(positions, qkv[:, :self.q_size + self.kv_size].view(t, h + kvh, self.head_dim))
+        v = qkv[:, self.q_size + self.kv_size:].view(t, kvh, self.head_dim)
+        out = self.attn(qk[:, :h], qk[:, h:], v, meta)
         return self.o_proj(out.view(t, self.q_size))  # type: ignore[no-any-return]
 
 
@@ -52,7 +53,8 @@ class LlamaMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)  # type: ignore[no-any-return]
+        # In place: the packed output is ours, and a step's [T, intermediate] temporaries are its largest.
+        return self.down_proj(F.silu(gate, inplace=True).mul_(up))  # type: ignore[no-any-return]
 
 
 class LlamaDecoderLayer(nn.Module):
