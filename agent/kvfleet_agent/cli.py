@@ -23,7 +23,8 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     g.add_argument("--max-model-len", type=int, default=None)
     g.add_argument("--max-num-seqs", type=int, default=128)
-    g.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    g.add_argument("--max-num-batched-tokens", type=int, default=None,
+                   help="tokens per step (default: 1024 on CPU, 8192 on GPU)")
     g.add_argument("--block-size", type=int, default=16)
     g.add_argument("--kv-cache-memory-bytes", type=int, default=None, help="KV pool budget on CPU")
     g.add_argument("--gpu-memory-utilization", type=float, default=0.9)

@@ -7,14 +7,16 @@ from dataclasses import dataclass
 from typing import Any
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+DEFAULT_TOKEN_BUDGET = {"cpu": 1024, "cuda": 8192}
 
 
 @dataclass
 class EngineConfig:
     """Runtime settings of one engine (one replica).
 
-    Sizes left as None are derived at start-up: max_model_len from the checkpoint, the KV pool
-    from the memory budget (kv_cache_memory_bytes on CPU, gpu_memory_utilization on CUDA).
+    Sizes left as None are derived at start-up and written back by `resolve`: max_model_len from
+    the checkpoint, max_num_batched_tokens from the device, the KV pool from the memory budget
+    (kv_cache_memory_bytes on CPU, gpu_memory_utilization on CUDA).
     """
 
     model: str
@@ -22,7 +24,7 @@ class EngineConfig:
     device: str = "auto"
     max_model_len: int | None = None
     max_num_seqs: int = 128
-    max_num_batched_tokens: int = 2048
+    max_num_batched_tokens: int | None = None
     block_size: int = 16
     kv_cache_memory_bytes: int | None = None
     gpu_memory_utilization: float = 0.9
@@ -41,6 +43,8 @@ class EngineConfig:
             raise bad("device", "choose auto, cpu or cuda[:N]")
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
             value = getattr(self, name)
+            if value is None and name == "max_num_batched_tokens":
+                continue
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise bad(name, "it must be a positive integer")
         if self.block_size & (self.block_size - 1) or self.block_size > 256:
@@ -51,10 +55,22 @@ class EngineConfig:
             raise bad("kv_cache_memory_bytes", "give a positive number of bytes, or leave it unset")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise bad("gpu_memory_utilization", "use a fraction in (0, 1]")
-        if not self.enable_chunked_prefill and self.max_model_len is not None \
-                and self.max_model_len > self.max_num_batched_tokens:
-            raise bad("max_num_batched_tokens", "without chunked prefill it must be >= max_model_len, "
-                      "so that a whole prompt fits in one step; raise it or enable chunked prefill")
+        self._check_whole_prompts_fit()
+
+    def resolve(self, device_type: str, max_model_len: int) -> None:
+        """Fill in the sizes derived from the device and checkpoint, then check the rules that need them."""
+        self.max_model_len = max_model_len
+        if self.max_num_batched_tokens is None:
+            # Measured best for the CPU bench (see BENCHMARKS.md); GPUs want far larger steps.
+            self.max_num_batched_tokens = DEFAULT_TOKEN_BUDGET.get(device_type, 8192)
+        self._check_whole_prompts_fit()
+
+    def _check_whole_prompts_fit(self) -> None:
+        budget, limit = self.max_num_batched_tokens, self.max_model_len
+        if not self.enable_chunked_prefill and budget is not None and limit is not None and limit > budget:
+            raise ValueError(f"engine option max_num_batched_tokens={budget} is invalid: without chunked prefill "
+                             f"it must be >= max_model_len ({limit}), so that a whole prompt fits in one step; "
+                             "raise it or enable chunked prefill")
 
     @classmethod
     def from_kwargs(cls, model: str, **kwargs: Any) -> EngineConfig:

@@ -59,6 +59,7 @@ class LLMEngine:
         self.eos_token_ids = frozenset(self.model_config.eos_token_ids) | frozenset(
             self.tokenizer.eos_token_ids if self.tokenizer else ())
         self.runner = ModelRunner(config, self.model_config, self.max_model_len)
+        config.resolve(self.runner.device.type, self.max_model_len)
         budget = self.runner.kv_budget_bytes()
         num_blocks = budget // self.runner.bytes_per_block()
         if num_blocks * config.block_size < self.max_model_len:
@@ -69,6 +70,7 @@ class LLMEngine:
         self.runner.allocate_kv_cache(num_blocks)
         self.runner.warmup()
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        assert config.max_num_batched_tokens is not None  # set by resolve()
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens,
                                    config.enable_chunked_prefill)
         self.counters = EngineCounters(last_step_time=time.time())

@@ -52,6 +52,10 @@ class ModelRunner:
             self.model = LlamaForCausalLM(model_cfg, max_model_len, self.dtype).to(self.dtype)
         load_weights(self.model, config.model)
         self.model.eval()
+        for module in self.model.modules():  # CPU: oneDNN-prepacked GEMM weights (a no-op elsewhere)
+            pack_weights = getattr(module, "pack_weights", None)
+            if callable(pack_weights):
+                pack_weights()
         self.attn_layers = [m for m in self.model.modules() if isinstance(m, PagedAttention)]
         self.sampler = Sampler(config.seed, self.device)
         self.num_blocks = 0
@@ -69,7 +73,7 @@ class ModelRunner:
         if self.device.type == "cuda":
             free, total = torch.cuda.mem_get_info(self.device)
             # Leave room for a full step's activations beside the weights already resident.
-            activations = self.config.max_num_batched_tokens * self.model_cfg.intermediate_size * 4 * 8
+            activations = (self.config.max_num_batched_tokens or 8192) * self.model_cfg.intermediate_size * 4 * 8
             return max(0, int(free - total * (1 - self.config.gpu_memory_utilization)) - activations)
         total_ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
         return min(DEFAULT_CPU_KV_BYTES, total_ram // 4)

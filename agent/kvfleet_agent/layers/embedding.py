@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvfleet_agent.layers.linear import attach_loader, linear
+from kvfleet_agent.layers.linear import attach_loader, can_pack, linear, pack
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -40,8 +40,14 @@ class VocabParallelEmbedding(nn.Module):
 class ParallelLMHead(VocabParallelEmbedding):
     """Hidden states → logits over the full vocabulary (each rank computes its slice, then gather)."""
 
+    packed: torch.Tensor | None = None
+
+    def pack_weights(self) -> None:
+        """Prepack the (possibly tied) weight for the CPU fast path."""
+        self.packed = pack(self.weight) if can_pack(self.weight) else None
+
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = linear(hidden, self.weight)
+        logits = linear(hidden, self.weight, packed=self.packed)
         if self.tp_size == 1:
             return logits
         parts = [torch.empty(hidden.shape[0], self.per_rank, dtype=logits.dtype, device=logits.device)
