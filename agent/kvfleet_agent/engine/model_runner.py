@@ -48,6 +48,7 @@ class ModelRunner:
             torch.set_num_threads(config.num_threads)
         self.dtype = resolve_dtype(config, model_cfg, self.device)
         self.block_size = config.block_size
+        self.max_model_len = max_model_len
         with torch.device(self.device):
             self.model = LlamaForCausalLM(model_cfg, max_model_len, self.dtype).to(self.dtype)
         load_weights(self.model, config.model)
@@ -76,7 +77,10 @@ class ModelRunner:
             activations = (self.config.max_num_batched_tokens or 8192) * self.model_cfg.intermediate_size * 4 * 8
             return max(0, int(free - total * (1 - self.config.gpu_memory_utilization)) - activations)
         total_ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-        return min(DEFAULT_CPU_KV_BYTES, total_ram // 4)
+        # Never more than every sequence at full length could use: the pool is zero-filled up front
+        # (a masked slot holding NaN garbage would still poison softmax·V), and that costs page faults.
+        blocks_usable = self.config.max_num_seqs * -(-self.max_model_len // self.block_size) + 1
+        return min(DEFAULT_CPU_KV_BYTES, total_ram // 4, blocks_usable * self.bytes_per_block())
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
         """Create each layer's [num_blocks, block_size, kv_heads, head_dim] K and V tensors and bind them."""
