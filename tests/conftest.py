@@ -1,4 +1,4 @@
-"""Shared fixtures: tiny random checkpoints (with a locally trained tokenizer) and GPU skipping."""
+"""Shared fixtures: tiny random checkpoints (with a locally trained tokenizer), an LLM on one, and GPU skipping."""
 
 from __future__ import annotations
 
@@ -7,8 +7,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from llm_helpers import ENGINE_OPTIONS
 
-from kvfleet_agent.models.tiny import init_tiny
+from kvfleet_agent.llm import LLM
+from kvfleet_agent.models.tiny import ARCHS, init_tiny
+
+# Asserts in the shared helper modules report their operands too, as the tests' own asserts do.
+pytest.register_assert_rewrite("bookkeeping_helpers", "kernel_helpers", "loader_helpers")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -40,3 +45,24 @@ def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., s
         return made[key]
 
     return make
+
+
+@pytest.fixture(scope="module")
+def ckpt(tiny_checkpoint: Callable[..., str]) -> Path:
+    """The tiny llama checkpoint; tests that need a variant of it edit a copy."""
+    return Path(tiny_checkpoint("llama"))
+
+
+@pytest.fixture(scope="module")
+def llm(ckpt: Path) -> LLM:
+    """An LLM on `ckpt` with llm_helpers.ENGINE_OPTIONS, one per test module."""
+    return LLM(model=str(ckpt), **ENGINE_OPTIONS)
+
+
+@pytest.fixture(scope="session")
+def ckpts(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """For the loader tests: a good checkpoint per architecture and a 2-shard llama; tests edit copies, never these."""
+    root = tmp_path_factory.mktemp("loader_ckpts")
+    out = {arch: Path(init_tiny(str(root / arch), arch, seed=11)) for arch in ARCHS}
+    out["llama-sharded"] = Path(init_tiny(str(root / "llama-sharded"), "llama", seed=11, num_shards=2))
+    return out

@@ -1,7 +1,4 @@
-"""Tests for AsyncLLM: streaming, concurrency, abort/disconnect freeing KV blocks, bad input, shutdown.
-
-Every test bounds its event loop with a timeout so that a lost output fails the test instead of hanging it.
-"""
+"""Tests for AsyncLLM: streaming, concurrency, abort/disconnect freeing KV blocks, bad input, shutdown."""
 
 from __future__ import annotations
 
@@ -14,12 +11,14 @@ from pathlib import Path
 from typing import Any, cast
 
 import pytest
+from llm_helpers import greedy
 
 from kvfleet_agent.engine.async_llm import AsyncLLM
 from kvfleet_agent.llm import LLM
 from kvfleet_agent.outputs import RequestOutput
 from kvfleet_agent.sampling_params import SamplingParams
 
+# Not llm_helpers.ENGINE_OPTIONS: no max_model_len cap, so that LONG requests run on until a test ends them.
 ENGINE_OPTIONS: dict[str, Any] = {
     "kv_cache_memory_bytes": 4 << 20,
     "max_num_seqs": 8,
@@ -42,21 +41,15 @@ HANG_TIMEOUT_S = 3.0  # how long a stream may take to end after abort/shutdown b
 
 
 @pytest.fixture(scope="module")
-def ckpt(tiny_checkpoint: Callable[..., str]) -> Path:
-    return Path(tiny_checkpoint("llama"))
-
-
-@pytest.fixture(scope="module")
 def offline(ckpt: Path) -> LLM:
     return LLM(model=str(ckpt), **ENGINE_OPTIONS)
 
 
-def _greedy(max_tokens: int) -> SamplingParams:
-    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-
-
 def _run(llm: AsyncLLM, body: Callable[[AsyncLLM], Awaitable[None]]) -> None:
-    """Run body(llm) on a fresh event loop, always shutting the engine down afterwards."""
+    """Run body(llm) on a fresh event loop, always shutting the engine down afterwards.
+
+    The loop is bounded by LOOP_TIMEOUT_S, so that a lost output fails the test instead of hanging it.
+    """
     try:
         asyncio.run(asyncio.wait_for(body(llm), LOOP_TIMEOUT_S))
     finally:
@@ -85,10 +78,10 @@ async def _collect(llm: AsyncLLM, prompt: str | list[int], params: SamplingParam
 
 def test_streams_token_by_token_and_matches_offline(ckpt: Path, offline: LLM) -> None:
     n = 12
-    (ref,) = offline.generate([PROMPTS[0]], _greedy(n), use_tqdm=False)
+    (ref,) = offline.generate([PROMPTS[0]], greedy(n), use_tqdm=False)
 
     async def body(llm: AsyncLLM) -> None:
-        outs = await _collect(llm, PROMPTS[0], _greedy(n), request_id="stream-1")
+        outs = await _collect(llm, PROMPTS[0], greedy(n), request_id="stream-1")
         assert [len(o.outputs[0].token_ids) for o in outs] == list(range(1, n + 1))
         assert [o.finished for o in outs] == [False] * (n - 1) + [True]
         for prev, cur in itertools.pairwise(outs):
@@ -112,7 +105,7 @@ def _stop_across_token_boundary(offline: LLM, prompt: str, n: int) -> tuple[str,
     """(greedy text, a 3-letter stop string whose first letter ends one token and the rest starts the next)."""
     tok = offline.get_tokenizer()
     assert tok is not None
-    comp = offline.generate([prompt], _greedy(n), use_tqdm=False)[0].outputs[0]
+    comp = offline.generate([prompt], greedy(n), use_tqdm=False)[0].outputs[0]
     full = comp.text
     for k in range(1, len(comp.token_ids)):
         head = tok.decode(comp.token_ids[:k])
@@ -145,10 +138,10 @@ def test_streamed_text_with_stop_string_only_grows(ckpt: Path, offline: LLM) -> 
 
 def test_concurrent_requests_all_finish(ckpt: Path, offline: LLM) -> None:
     lengths = [3 + i for i in range(len(PROMPTS))]
-    refs = offline.generate(PROMPTS, [_greedy(m) for m in lengths], use_tqdm=False)
+    refs = offline.generate(PROMPTS, [greedy(m) for m in lengths], use_tqdm=False)
 
     async def body(llm: AsyncLLM) -> None:
-        results = await asyncio.gather(*(_collect(llm, p, _greedy(m)) for p, m in zip(PROMPTS, lengths, strict=True)))
+        results = await asyncio.gather(*(_collect(llm, p, greedy(m)) for p, m in zip(PROMPTS, lengths, strict=True)))
         ids = {outs[-1].request_id for outs in results}
         assert len(ids) == len(PROMPTS)  # generated request ids are unique
         for outs, m, ref in zip(results, lengths, refs, strict=True):
@@ -182,7 +175,7 @@ def test_abort_frees_blocks(ckpt: Path) -> None:
         _assert_idle(llm)
         assert llm.engine.counters.finished["abort"] == 1
         # The engine keeps serving.
-        outs = await _collect(llm, PROMPTS[2], _greedy(3))
+        outs = await _collect(llm, PROMPTS[2], greedy(3))
         assert outs[-1].finished and len(outs[-1].outputs[0].token_ids) == 3
 
     _run(AsyncLLM.from_options(str(ckpt), **ENGINE_OPTIONS), body)
@@ -190,7 +183,7 @@ def test_abort_frees_blocks(ckpt: Path) -> None:
 
 def test_abort_of_unknown_or_finished_request_is_harmless(ckpt: Path) -> None:
     async def body(llm: AsyncLLM) -> None:
-        outs = await _collect(llm, PROMPTS[0], _greedy(2), request_id="done")
+        outs = await _collect(llm, PROMPTS[0], greedy(2), request_id="done")
         await llm.abort("done")
         await llm.abort("never-existed")
         await llm.barrier()
@@ -276,13 +269,13 @@ def test_abort_ends_a_concurrent_consumers_stream(ckpt: Path) -> None:
 def test_invalid_input_raises_before_queueing(ckpt: Path, prompt: list[int], match: str) -> None:
     async def body(llm: AsyncLLM) -> None:
         with pytest.raises(ValueError, match=match):
-            await _collect(llm, prompt, _greedy(4), request_id="bad")
+            await _collect(llm, prompt, greedy(4), request_id="bad")
         assert llm.num_unfinished() == 0  # no stream was registered
         await llm.barrier()
         _assert_idle(llm)
         assert llm.engine.counters.prompt_tokens == 0  # nothing reached the engine
         # The engine keeps serving, even under the id the bad request asked for.
-        outs = await _collect(llm, PROMPTS[0], _greedy(3), request_id="bad")
+        outs = await _collect(llm, PROMPTS[0], greedy(3), request_id="bad")
         assert outs[-1].finished and len(outs[-1].outputs[0].token_ids) == 3
 
     _run(AsyncLLM.from_options(str(ckpt), **ENGINE_OPTIONS), body)
@@ -294,7 +287,7 @@ def test_duplicate_request_id_is_rejected_and_engine_survives(ckpt: Path) -> Non
 
         async def consume() -> list[RequestOutput]:
             outs = []
-            async for out in llm.generate(PROMPTS[0], _greedy(40), request_id="dup"):
+            async for out in llm.generate(PROMPTS[0], greedy(40), request_id="dup"):
                 outs.append(out)
                 first.set()
             return outs
@@ -303,7 +296,7 @@ def test_duplicate_request_id_is_rejected_and_engine_survives(ckpt: Path) -> Non
         await first.wait()
         try:
             with pytest.raises(ValueError, match="dup"):
-                await asyncio.wait_for(_collect(llm, PROMPTS[1], _greedy(4), request_id="dup"), HANG_TIMEOUT_S)
+                await asyncio.wait_for(_collect(llm, PROMPTS[1], greedy(4), request_id="dup"), HANG_TIMEOUT_S)
             outs = await asyncio.wait_for(task, HANG_TIMEOUT_S)
             assert outs[-1].finished and len(outs[-1].outputs[0].token_ids) == 40
             assert llm.is_alive

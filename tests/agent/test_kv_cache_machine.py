@@ -1,8 +1,4 @@
-"""Hypothesis state machine over the paged KV-cache bookkeeping (kvfleet_agent.engine.kv_cache).
-
-Random interleavings of admit / compute / append / fork / free run against a small model of what
-every block physically holds; the pool's invariants are checked after every step.
-"""
+"""Hypothesis state machine over the KV-cache bookkeeping: random admit/compute/append/fork/free, invariants checked."""
 
 from __future__ import annotations
 

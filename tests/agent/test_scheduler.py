@@ -1,76 +1,11 @@
-"""Tests of the iteration-level scheduler (kvfleet_agent.engine.scheduler) on its own.
-
-Pure bookkeeping: a real KVCacheManager and real Requests, no model and no torch. A step is driven
-the way the engine drives it: `out = sched.schedule()`, then `sched.update(out, sampled)` with one
-made-up token for every chunk that samples.
-
-The property test keeps a model of what every physical KV slot holds (the token prefix whose K/V
-was written there), so a chunk that attends to a slot holding the wrong prefix (a bad prefix hit,
-a block overwritten while shared, a stale block after preemption) is caught.
-"""
+"""Unit tests of the iteration-level scheduler (kvfleet_agent.engine.scheduler): a real KVCacheManager, no model."""
 
 from __future__ import annotations
 
-import itertools
-from dataclasses import dataclass, field
+from bookkeeping_helpers import add, chunk_of, make, req, run_to_completion, status, step, toks
 
-import pytest
-from hypothesis import HealthCheck, event, given, settings
-from hypothesis import strategies as st
-
-from kvfleet_agent.engine.kv_cache import KVCacheManager
-from kvfleet_agent.engine.request import Request, RequestStatus
-from kvfleet_agent.engine.scheduler import Scheduler, SchedulerOutput
-from kvfleet_agent.sampling_params import SamplingParams
-
-# ---------------------------------------------------------------------------------------------
-# helpers
-
-
-def make(num_blocks: int, block_size: int, max_num_seqs: int, budget: int, chunked: bool = True,
-         prefix_caching: bool = True) -> tuple[KVCacheManager, Scheduler]:
-    kv = KVCacheManager(num_blocks, block_size, prefix_caching)
-    return kv, Scheduler(kv, max_num_seqs, budget, chunked)
-
-
-def req(rid: str, prompt: list[int], max_tokens: int) -> Request:
-    return Request(rid, list(prompt), SamplingParams(max_tokens=max_tokens, ignore_eos=True))
-
-
-_tokens = itertools.count(50_000)
-
-
-def sample_all(out: SchedulerOutput) -> dict[str, int]:
-    """A fresh made-up token for every chunk that samples."""
-    return {c.request_id: next(_tokens) for c in out.chunks if c.sample}
-
-
-def step(sched: Scheduler) -> SchedulerOutput:
-    out = sched.schedule()
-    sched.update(out, sample_all(out))
-    return out
-
-
-def run_to_completion(sched: Scheduler, max_steps: int = 1000) -> list[SchedulerOutput]:
-    outs = []
-    while sched.has_work():
-        outs.append(step(sched))
-        assert len(outs) < max_steps, "scheduler made no progress"
-    return outs
-
-
-def chunk_of(out: SchedulerOutput, rid: str) -> list[tuple[int, int, bool]]:
-    return [(c.start_pos, len(c.token_ids), c.sample) for c in out.chunks if c.request_id == rid]
-
-
-def status(r: Request) -> RequestStatus:
-    """r.status, read through a call so that type checkers do not narrow it across scheduler calls."""
-    return r.status
-
-
-def toks(n: int, start: int = 0) -> list[int]:
-    return list(range(start, start + n))
-
+from kvfleet_agent.engine.request import RequestStatus
+from kvfleet_agent.engine.scheduler import Scheduler
 
 # ---------------------------------------------------------------------------------------------
 # documentation
@@ -107,8 +42,7 @@ def test_long_prompt_is_split_into_budget_sized_chunks() -> None:
 def test_decodes_are_scheduled_before_prefill_chunks() -> None:
     _, sched = make(num_blocks=64, block_size=4, max_num_seqs=4, budget=8)
     a, b = req("a", toks(4), max_tokens=5), req("b", toks(30, 100), max_tokens=2)
-    sched.add(a)
-    sched.add(b)
+    add(sched, a, b)
     first = step(sched)
     assert [(c.request_id, c.start_pos, len(c.token_ids)) for c in first.chunks] == [("a", 0, 4), ("b", 0, 4)]
     # a now decodes, b is mid-prompt. Put the prefilling request first in the running list (as if it were
@@ -125,8 +59,7 @@ def test_decode_is_not_starved_by_an_older_long_prefill() -> None:
     # Budget 8: if prefills went first, b's remaining 26 prompt tokens would take the whole budget.
     _, sched = make(num_blocks=64, block_size=4, max_num_seqs=4, budget=8)
     a, b = req("a", toks(4), max_tokens=4), req("b", toks(30, 100), max_tokens=1)
-    sched.add(a)
-    sched.add(b)
+    add(sched, a, b)
     step(sched)
     sched.running.reverse()
     for _ in range(3):
@@ -169,8 +102,7 @@ def test_without_chunked_prefill_a_prompt_waits_until_it_fits_whole() -> None:
 def test_max_num_seqs_limits_admission() -> None:
     _, sched = make(num_blocks=64, block_size=4, max_num_seqs=2, budget=64)
     reqs = [req(f"r{i}", toks(3, 10 * i), max_tokens=3) for i in range(5)]
-    for r in reqs:
-        sched.add(r)
+    add(sched, *reqs)
     out = step(sched)
     assert [c.request_id for c in out.chunks] == ["r0", "r1"]
     assert len(sched.running) == 2
@@ -255,8 +187,7 @@ def test_preemption_takes_the_newest_and_requeues_it_first() -> None:
     a = req("a", toks(8, 0), max_tokens=6)
     b = req("b", toks(8, 100), max_tokens=10)
     c = req("c", toks(8, 200), max_tokens=2)  # arrives after both; its 2 blocks do not fit beside them
-    for r in (a, b, c):
-        sched.add(r)
+    add(sched, a, b, c)
     out = step(sched)
     assert [ch.request_id for ch in out.chunks] == ["a", "b"]
     assert [r.request_id for r in sched.waiting] == ["c"]
@@ -302,8 +233,7 @@ def test_preempted_request_recomputes_from_zero_when_its_blocks_were_evicted() -
     kv, sched = make(num_blocks=6, block_size=bs, max_num_seqs=4, budget=32)
     a = req("a", toks(8, 0), max_tokens=14)  # keeps growing after the preemption, to all 6 blocks
     b = req("b", toks(8, 100), max_tokens=10)
-    sched.add(a)
-    sched.add(b)
+    add(sched, a, b)
     preempted_at = None
     for i in range(30):
         out = step(sched)
@@ -328,8 +258,7 @@ def test_preempted_request_recomputes_from_zero_when_its_blocks_were_evicted() -
 def test_abort_waiting_and_running_requests() -> None:
     kv, sched = make(num_blocks=16, block_size=4, max_num_seqs=1, budget=64)
     run_, wait = req("run", toks(9), max_tokens=5), req("wait", toks(5, 50), max_tokens=5)
-    sched.add(run_)
-    sched.add(wait)
+    add(sched, run_, wait)
     step(sched)
     assert run_.status is RequestStatus.RUNNING and wait.status is RequestStatus.WAITING
     assert kv.pool.num_free == 16 - 3
@@ -357,8 +286,7 @@ def test_abort_waiting_and_running_requests() -> None:
 def test_abort_of_a_preempted_request_removes_it_from_the_queue() -> None:
     kv, sched = make(num_blocks=6, block_size=4, max_num_seqs=4, budget=32)
     a, b = req("a", toks(8, 0), max_tokens=12), req("b", toks(8, 100), max_tokens=10)
-    sched.add(a)
-    sched.add(b)
+    add(sched, a, b)
     while b.status is not RequestStatus.PREEMPTED:
         step(sched)
     assert sched.abort(["b"]) == [b]
@@ -372,8 +300,7 @@ def test_abort_of_a_preempted_request_removes_it_from_the_queue() -> None:
 def test_stop_of_a_running_request() -> None:
     kv, sched = make(num_blocks=16, block_size=4, max_num_seqs=4, budget=64)
     a, b = req("a", toks(6), max_tokens=8), req("b", toks(6, 40), max_tokens=4)
-    sched.add(a)
-    sched.add(b)
+    add(sched, a, b)
     step(sched)
     step(sched)
     sched.stop(a)
@@ -387,163 +314,3 @@ def test_stop_of_a_running_request() -> None:
     assert b.num_output_tokens == 4
     assert a.num_output_tokens == 2
     assert kv.pool.num_free == 16
-
-
-# ---------------------------------------------------------------------------------------------
-# property test: random workloads run to completion under every invariant
-
-
-@dataclass
-class Workload:
-    block_size: int
-    num_blocks: int
-    max_num_seqs: int
-    budget: int
-    chunked: bool
-    prefix_caching: bool
-    requests: list[tuple[int, list[int], int]] = field(default_factory=list)  # (arrival step, prompt, max_tokens)
-
-
-BASE = toks(48, 1000)  # shared prompt prefix, so prefix hits and shared blocks happen
-
-
-@st.composite
-def workloads(draw: st.DrawFn) -> Workload:
-    bs = draw(st.sampled_from([1, 2, 4, 8]))
-    num_blocks = draw(st.integers(1, 24))
-    cap = num_blocks * bs
-    chunked = draw(st.booleans())
-    budget = draw(st.integers(1, 48))
-    if cap < 2:
-        num_blocks = -(-2 // bs)
-        cap = num_blocks * bs
-    if not chunked:
-        budget = max(budget, 2)  # like EngineConfig: without chunking a whole sequence fits in one step
-    w = Workload(bs, num_blocks, draw(st.integers(1, 5)), budget, chunked, draw(st.booleans()))
-    for _ in range(draw(st.integers(1, 8))):
-        # Every request fits the pool on its own (the engine checks max_model_len against the pool).
-        room = cap if chunked else min(cap, budget)
-        max_tokens = draw(st.integers(1, min(8, room - 1)))
-        plen = draw(st.integers(1, min(40, room - max_tokens)))
-        shared = draw(st.integers(0, plen))
-        tail = draw(st.lists(st.integers(0, 3), min_size=plen - shared, max_size=plen - shared))
-        w.requests.append((draw(st.integers(0, 8)), BASE[:shared] + tail, max_tokens))
-    return w
-
-
-@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(workloads())
-def test_random_workloads_respect_every_invariant(w: Workload) -> None:
-    kv, sched = make(w.num_blocks, w.block_size, w.max_num_seqs, w.budget, w.chunked, w.prefix_caching)
-    bs = w.block_size
-    reqs = [req(f"r{i}", prompt, mt) for i, (_, prompt, mt) in enumerate(w.requests)]
-    arrivals = sorted(((arr, i) for i, (arr, _, _) in enumerate(w.requests)))
-    sampled: dict[str, list[int]] = {r.request_id: [] for r in reqs}
-    slot_holds: dict[int, tuple[int, ...]] = {}  # physical slot -> token prefix whose K/V it holds
-    reported_finished: list[str] = []
-    tick = 0
-    steps = 0
-    while arrivals or sched.has_work():
-        while arrivals and arrivals[0][0] <= tick:
-            sched.add(reqs[arrivals.pop(0)[1]])
-        tick += 1
-        if not sched.has_work():
-            continue
-        before = {rid: (r.status, r.num_computed_tokens) for rid, r in sched.requests.items()}
-        out = sched.schedule()
-        steps += 1
-        assert steps < 2000, "no progress"
-        reported_finished += out.finished
-        if out.preempted:
-            event("preemption")
-
-        # Budget, concurrency, progress.
-        assert out.chunks, "an empty step while requests wait or run"
-        assert out.num_batched_tokens == sum(len(c.token_ids) for c in out.chunks) <= w.budget
-        assert len(sched.running) <= w.max_num_seqs
-        ids = [c.request_id for c in out.chunks]
-        assert len(ids) == len(set(ids))
-        assert not set(out.preempted) & set(ids)
-        running_ids = {r.request_id for r in sched.running}
-        assert set(ids) <= running_ids
-        # Running decodes (one token left to compute) come before anything else.
-        was_running = [c for c in out.chunks if before[c.request_id][0] is RequestStatus.RUNNING]
-        kinds = [len(c.token_ids) == 1 and before[c.request_id][1] == sched.requests[c.request_id].num_tokens - 1
-                 for c in was_running]
-        assert kinds == sorted(kinds, reverse=True)
-
-        written: set[int] = set()
-        for c in out.chunks:
-            r = sched.requests[c.request_id]
-            status, computed = before[c.request_id]
-            n = len(c.token_ids)
-            assert n >= 1
-            if status is RequestStatus.RUNNING:
-                assert c.start_pos == computed  # contiguous with what was computed before
-            else:  # admitted this step: starts after its prefix hit, on a block boundary
-                assert computed == 0
-                assert c.start_pos % bs == 0
-                assert c.start_pos < r.num_tokens
-                if not w.prefix_caching:
-                    assert c.start_pos == 0
-            assert c.start_pos == r.num_computed_tokens
-            assert c.start_pos + n <= r.num_tokens
-            assert c.token_ids == r.token_ids[c.start_pos:c.start_pos + n]
-            assert c.sample == (c.start_pos + n == r.num_tokens)
-            if not w.chunked:
-                assert c.sample, "without chunked prefill every chunk reaches the end"
-            table = c.block_table
-            assert table == kv.block_table(c.request_id)
-            assert len(table) >= kv.blocks_for(c.start_pos + n)
-            # Every position before the chunk holds this sequence's own K/V ...
-            for p in range(c.start_pos):
-                slot = table[p // bs] * bs + p % bs
-                assert slot_holds.get(slot) == tuple(r.token_ids[:p + 1]), (c.request_id, p)
-            # ... and the chunk writes only into blocks nobody else holds.
-            for p in range(c.start_pos, c.start_pos + n):
-                block = kv.pool.blocks[table[p // bs]]
-                assert block.ref_cnt == 1
-                assert block.block_hash is None
-                slot = block.block_id * bs + p % bs
-                assert slot not in written
-                written.add(slot)
-                slot_holds[slot] = tuple(r.token_ids[:p + 1])
-
-        tokens = sample_all(out)
-        for rid, t in tokens.items():
-            sampled[rid].append(t)
-        advanced = sched.update(out, tokens)
-        assert sorted(r.request_id for r in advanced) == sorted(tokens)
-        for r in advanced:
-            assert r.num_computed_tokens == r.num_tokens - 1
-            if r.is_finished:
-                assert r.num_output_tokens == r.sampling_params.max_tokens
-                assert r.request_id not in sched.requests
-
-    reported_finished += sched.schedule().finished
-    if kv.prefix_hits:
-        event("prefix hit")
-    for r in reqs:
-        assert r.status is RequestStatus.FINISHED_LENGTH
-        assert r.output_token_ids == sampled[r.request_id]
-        assert len(sampled[r.request_id]) == r.sampling_params.max_tokens
-    assert sorted(reported_finished) == sorted(r.request_id for r in reqs)
-    assert sched.num_preemptions == sum(r.num_preemptions for r in reqs)
-    assert kv.pool.num_free == w.num_blocks
-    assert not kv.allocations
-    assert not sched.running and not sched.waiting and not sched.requests
-
-
-@pytest.mark.parametrize("chunked", [True, False])
-def test_many_requests_under_memory_pressure_all_finish(chunked: bool) -> None:
-    # A fixed heavy mix that is sure to preempt (the property test may or may not hit this corner).
-    kv, sched = make(num_blocks=12, block_size=4, max_num_seqs=6, budget=24, chunked=chunked)
-    reqs = [req(f"r{i}", toks(5 + 3 * i, 100 * i), max_tokens=12) for i in range(6)]
-    for r in reqs:
-        sched.add(r)
-    outs = run_to_completion(sched)
-    assert sched.num_preemptions > 0
-    assert all(o.chunks for o in outs)
-    assert all(o.num_batched_tokens <= 24 for o in outs)
-    assert all(r.num_output_tokens == 12 for r in reqs)
-    assert kv.pool.num_free == 12

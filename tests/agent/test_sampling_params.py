@@ -1,0 +1,45 @@
+"""Tests of SamplingParams validation: each bad field is named, boundaries are accepted and normalised."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from kvfleet_agent.sampling_params import MAX_STOP_STRINGS, SamplingParams
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "field"),
+    [
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"max_tokens": True}, "max_tokens"),
+        ({"temperature": -1}, "temperature"),
+        ({"top_p": 0}, "top_p"),
+        ({"top_p": 1.5}, "top_p"),
+        ({"top_k": -2}, "top_k"),
+        ({"stop": [f"s{i}" for i in range(MAX_STOP_STRINGS + 1)]}, "stop"),
+        ({"stop": [""]}, "stop"),
+        ({"stop": ["ok", ""]}, "stop"),
+        ({"stop_token_ids": [-1]}, "stop_token_ids"),
+        ({"logprobs": 21}, "logprobs"),
+        ({"logprobs": -1}, "logprobs"),
+        ({"seed": "x"}, "seed"),
+    ],
+    ids=lambda v: v if isinstance(v, str) else ",".join(f"{k}={str(x)[:20]}" for k, x in v.items()),
+)
+def test_sampling_params_rejects_invalid_field(kwargs: dict[str, Any], field: str) -> None:
+    with pytest.raises(ValueError) as info:
+        SamplingParams(**kwargs)
+    assert f"SamplingParams.{field}=" in str(info.value)
+
+
+def test_sampling_params_accepts_boundaries_and_normalises() -> None:
+    p = SamplingParams(max_tokens=1, temperature=0.0, top_p=1.0, top_k=-1, logprobs=20, seed=0,
+                       stop=[f"s{i}" for i in range(MAX_STOP_STRINGS)])
+    assert p.top_k == 0  # -1 is vLLM's spelling of "no top-k"
+    assert p.greedy
+    assert len(p.stop) == MAX_STOP_STRINGS
+    single = SamplingParams(stop="END", logprobs=0, temperature=100.0)  # type: ignore[arg-type]
+    assert single.stop == ["END"]
+    assert not single.greedy
