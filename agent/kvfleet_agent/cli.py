@@ -33,6 +33,24 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--seed", type=int, default=0)
 
 
+def _env_defaults(p: argparse.ArgumentParser) -> None:
+    """Let KVFLEET_<FLAG> environment variables (for pod specs) set any flag's default."""
+    for action in p._actions:
+        env = "KVFLEET_" + action.dest.upper()
+        if action.dest == "help" or env not in os.environ:
+            continue
+        raw = os.environ[env]
+        if isinstance(action, argparse._StoreFalseAction | argparse._StoreTrueAction):
+            truthy = raw.strip().lower() in ("1", "true", "yes", "on")
+            # store_false flags are "--no-X": KVFLEET_ENABLE_X=false turns the feature off
+            p.set_defaults(**{action.dest: truthy})
+        else:
+            try:
+                p.set_defaults(**{action.dest: action.type(raw) if callable(action.type) else raw})
+            except ValueError:
+                p.error(f"environment variable {env}={raw!r} is not a valid {action.dest}")
+
+
 def _engine_options(a: argparse.Namespace) -> dict[str, object]:
     keys = ("dtype", "max_model_len", "max_num_seqs", "max_num_batched_tokens", "block_size",
             "kv_cache_memory_bytes", "gpu_memory_utilization", "enable_prefix_caching", "enable_chunked_prefill",
@@ -54,6 +72,22 @@ def _generate(model: str, prompts: list[str], a: argparse.Namespace) -> None:
         print(f"\n>>> {o.prompt}\n{o.outputs[0].text!r}  [{len(o.outputs[0].token_ids)} tokens, "
               f"{o.outputs[0].finish_reason}]")
     print(f"\n{len(outs)} requests, {tokens} tokens in {seconds:.2f} s: {tokens / seconds:.1f} tokens/s")
+
+
+def _serve(a: argparse.Namespace) -> int:
+    import asyncio
+
+    from kvfleet_agent.config import EngineConfig
+    from kvfleet_agent.server.lifecycle import ServeOptions, serve
+
+    for name, value, low in (("--max-queue-length", a.max_queue_length, 0), ("--drain-grace-period",
+                                                                             a.drain_grace_period, 0)):
+        if value < low:
+            raise ValueError(f"{name}={value} must be >= {low}")
+    model = a.model or os.environ["KVFLEET_MODEL"]
+    opts = ServeOptions(a.served_model_name or os.path.basename(os.path.normpath(model)), a.host, a.port,
+                        None if a.grpc_port < 0 else a.grpc_port, a.max_queue_length, a.drain_grace_period)
+    return asyncio.run(serve(EngineConfig.from_kwargs(model, **_engine_options(a)), opts))
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -85,6 +119,24 @@ def main(argv: Sequence[str] | None = None) -> int:
         p.add_argument("--ignore-eos", action="store_true")
         _engine_flags(p)
 
+    bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="action", required=True)
+    from kvfleet_agent.bench import loadgen
+
+    loadgen.add_arguments(bench.add_parser("serve", help="drive a running OpenAI-compatible server with load"))
+
+    serve = sub.add_parser("serve", help="serve a model over OpenAI-compatible HTTP and gRPC")
+    serve.add_argument("--model", required="KVFLEET_MODEL" not in os.environ, help="Hugging Face model directory")
+    serve.add_argument("--served-model-name", default=None, help="name clients use (default: the directory name)")
+    serve.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0 in a pod)")
+    serve.add_argument("--port", type=int, default=8000, help="HTTP port (0: any free port)")
+    serve.add_argument("--grpc-port", type=int, default=50051, help="gRPC port (0: any free port, -1: off)")
+    serve.add_argument("--max-queue-length", type=int, default=256,
+                       help="waiting requests beyond which new ones get 429 / RESOURCE_EXHAUSTED")
+    serve.add_argument("--drain-grace-period", type=float, default=30.0,
+                       help="seconds accepted requests may take to finish after SIGTERM")
+    _engine_flags(serve)
+    _env_defaults(serve)
+
     a = ap.parse_args(argv)
     logging.basicConfig(level=a.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
@@ -94,6 +146,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(init_tiny(a.dir, arch=a.arch, seed=a.seed, num_shards=a.shards))
         elif a.command == "generate":
             _generate(a.model, a.prompt, a)
+        elif a.command == "serve":
+            return _serve(a)
+        elif a.command == "bench":
+            return loadgen.main(a)
         else:
             from kvfleet_agent.models.tiny import init_tiny
 

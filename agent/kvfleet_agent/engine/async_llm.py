@@ -7,7 +7,7 @@ import itertools
 import logging
 import queue
 import threading
-from collections.abc import AsyncGenerator, Sequence
+from collections.abc import Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 
@@ -28,6 +28,46 @@ class EngineDeadError(RuntimeError):
 class _Stream:
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue[RequestOutput | BaseException]
+
+
+class RequestStream:
+    """One request's outputs as they come (cumulative); an async iterator that aborts when closed early."""
+
+    def __init__(self, llm: AsyncLLM, request_id: str, stream: _Stream) -> None:
+        self.llm, self.request_id, self._stream = llm, request_id, stream
+        self._done = False
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self._done:
+            raise StopAsyncIteration
+        try:
+            item = await self._stream.queue.get()
+        except asyncio.CancelledError:  # the consumer was cancelled mid-wait (a disconnect): it is gone
+            self.close()
+            raise
+        if isinstance(item, BaseException):
+            self._done = True
+            if isinstance(item, ValueError):
+                raise item
+            raise EngineDeadError("the engine failed while serving this request") from item
+        self._done = item.finished
+        return item
+
+    async def aclose(self) -> None:
+        """Stop listening; an unfinished request is aborted and its KV blocks freed."""
+        self.close()
+
+    def close(self) -> None:
+        """Synchronous aclose, also run when the stream is garbage collected (e.g. after `break`)."""
+        if not self._done:
+            self._done = True
+            self.llm._abandon(self.request_id)
+
+    def __del__(self) -> None:
+        self.close()
 
 
 class AsyncLLM:
@@ -62,11 +102,19 @@ class AsyncLLM:
         """Requests accepted and not finished (approximate while a step runs)."""
         return len(self._streams)
 
-    async def generate(self, prompt: str | Sequence[int], params: SamplingParams,
-                       request_id: str | None = None) -> AsyncGenerator[RequestOutput, None]:
-        """Stream a request's cumulative outputs; leaving the iteration early aborts the request.
+    def num_waiting(self) -> int:
+        """Requests accepted but not yet running: queued in the engine or still in its inbox."""
+        # Read from another thread without a lock: len() of a deque is atomic, and an estimate
+        # one step stale is all admission control needs.
+        return len(self.engine.scheduler.waiting) + self._inbox.qsize()
 
-        Invalid input raises ValueError before anything is queued.
+    def generate(self, prompt: str | Sequence[int], params: SamplingParams,
+                 request_id: str | None = None) -> RequestStream:
+        """Queue a request now and return the stream of its cumulative outputs.
+
+        Invalid input raises ValueError here, before anything is queued. Queueing at call time (not
+        at first iteration) keeps admission control exact: a request counts as waiting the moment
+        it is accepted. Closing the stream early, or dropping it, aborts the request.
         """
         if self.error is not None:
             raise EngineDeadError("the engine has failed") from self.error
@@ -79,20 +127,12 @@ class AsyncLLM:
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
         self._streams[rid] = stream
         self._post("add", req)
-        finished = False
-        try:
-            while not finished:
-                item = await stream.queue.get()
-                if isinstance(item, ValueError):
-                    raise item
-                if isinstance(item, BaseException):
-                    raise EngineDeadError("the engine failed while serving this request") from item
-                finished = item.finished
-                yield item
-        finally:
-            if not finished:  # the consumer went away (disconnect, cancel): free the KV blocks now
-                self._streams.pop(rid, None)
-                self._post("abort", rid)
+        return RequestStream(self, rid, stream)
+
+    def _abandon(self, request_id: str) -> None:
+        """A consumer left before the end: drop its stream and free the request's blocks."""
+        self._streams.pop(request_id, None)
+        self._post("abort", request_id)
 
     async def abort(self, request_id: str) -> None:
         """Abort a request and wait until its blocks are back in the pool.

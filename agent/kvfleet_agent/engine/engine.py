@@ -6,6 +6,7 @@ import logging
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from kvfleet_agent.config import EngineConfig
 from kvfleet_agent.engine.detokenizer import IncrementalDetokenizer
@@ -31,6 +32,16 @@ class _Tracked:
     # Text safe to show so far: no partial character, no possible stop-string prefix. Every value
     # it takes is a prefix of the final text, so streams can send differences.
     text: str = ""
+
+
+class EngineObserver(Protocol):
+    """Told of every token and every finished request, on the engine's thread (for metrics)."""
+
+    def on_token(self, req: Request, now: float, gap: float | None) -> None:
+        """A token was generated; gap is the time since the request's previous token (None for the first)."""
+
+    def on_finish(self, req: Request, now: float) -> None:
+        """The request ended (stop, length or abort)."""
 
 
 @dataclass
@@ -75,6 +86,7 @@ class LLMEngine:
                                    config.enable_chunked_prefill)
         self.counters = EngineCounters(last_step_time=time.time())
         self._tracked: dict[str, _Tracked] = {}
+        self.observers: list[EngineObserver] = []
         log.info("kvfleet engine: %s (%s) on %s, %s; KV pool %d blocks x %d tokens = %d tokens "
                  "(%.1f MiB), max_model_len %d, max concurrent full-length sequences %.1f",
                  config.model, self.model_config.architecture, self.runner.device, self.runner.dtype,
@@ -145,8 +157,11 @@ class LLMEngine:
     def abort(self, request_ids: Sequence[str]) -> list[RequestOutput]:
         """Stop requests now; their KV blocks return to the pool at once."""
         outs = []
+        now = time.monotonic()
         for req in self.scheduler.abort(request_ids):
             self.counters.finished["abort"] += 1
+            for obs in self.observers:
+                obs.on_finish(req, now)
             outs.append(self.output(self._tracked.pop(req.request_id)))
         return outs
 
@@ -177,15 +192,20 @@ class LLMEngine:
         out = []
         for req in advanced:
             t = self._tracked[req.request_id]
+            gap = None if req.last_token_time is None else now - req.last_token_time
             if req.first_token_time is None:
                 req.first_token_time = now
             req.last_token_time = now
+            for obs in self.observers:
+                obs.on_token(req, now, gap)
             if t.logprobs is not None:
                 t.logprobs.append(logprobs[req.request_id])
             if t.detokenizer is not None:
                 self._detokenize(t)
             if req.is_finished:
                 self.counters.finished[req.status.value] += 1
+                for obs in self.observers:
+                    obs.on_finish(req, now)
                 del self._tracked[req.request_id]
             out.append(t)
         return out

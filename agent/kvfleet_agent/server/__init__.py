@@ -1,0 +1,1 @@
+"""The agent process: HTTP (OpenAI-compatible) and gRPC serving, metrics, health and drain."""

@@ -1,0 +1,98 @@
+"""The agent process: load the engine, serve HTTP and gRPC, drain on SIGTERM, exit with a meaningful code."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+import time
+from dataclasses import dataclass
+
+from aiohttp import web
+
+from kvfleet_agent.config import EngineConfig
+from kvfleet_agent.engine.async_llm import AsyncLLM
+from kvfleet_agent.server.admission import Admission
+from kvfleet_agent.server.http import HTTPFrontend
+from kvfleet_agent.server.metrics import AgentMetrics
+
+log = logging.getLogger("kvfleet_agent.server")
+
+
+@dataclass
+class ServeOptions:
+    """Process-level settings (the engine's are in EngineConfig)."""
+
+    served_model_name: str
+    host: str = "127.0.0.1"
+    port: int = 8000
+    grpc_port: int | None = 50051  # None disables gRPC; 0 picks a free port
+    max_queue_length: int = 256
+    drain_grace_period_s: float = 30.0
+
+
+async def serve(engine_config: EngineConfig, opts: ServeOptions) -> int:
+    """Run until SIGTERM/SIGINT (drain, then 0) or until the engine dies (1)."""
+    loop = asyncio.get_running_loop()
+    # Loading can take minutes for large models: keep the event loop responsive meanwhile.
+    llm = await loop.run_in_executor(None, AsyncLLM, engine_config)
+    admission = Admission(llm, opts.max_queue_length)
+    metrics = AgentMetrics(llm, admission, opts.served_model_name)
+    http = HTTPFrontend(llm, admission, metrics, opts.served_model_name)
+    # handler_cancellation: a client that hangs up cancels its handler, which aborts its request.
+    runner = web.AppRunner(http.app(), handler_cancellation=True, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, opts.host, opts.port)
+    await site.start()
+    http_port = runner.addresses[0][1]
+    grpc_server, grpc_port = None, None
+    if opts.grpc_port is not None:
+        from kvfleet_agent.server.grpc_server import start_grpc_server
+
+        grpc_server, grpc_port = await start_grpc_server(llm, admission, opts.served_model_name, opts.host,
+                                                         opts.grpc_port)
+    # One machine-readable line: tests and supervisors learn the real ports (0 means "any free one").
+    print(f"kvfleet-agent ready: http://{opts.host}:{http_port} grpc={grpc_port} model={opts.served_model_name}",
+          flush=True)
+
+    stop = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    watchdog = asyncio.create_task(_watch_engine(llm, stop))
+    await stop.wait()
+    code = 0 if llm.is_alive else 1
+    if code == 0:
+        await _drain(llm, admission, http, opts.drain_grace_period_s)
+    watchdog.cancel()
+    if grpc_server is not None:
+        await grpc_server.stop(grace=1.0)
+    await runner.cleanup()
+    llm.shutdown()
+    log.info("kvfleet-agent stopped (exit %d)", code)
+    return code
+
+
+async def _drain(llm: AsyncLLM, admission: Admission, http: HTTPFrontend, grace_s: float) -> None:
+    """Refuse new work, let accepted requests finish within the grace period, then stop."""
+    admission.draining = True  # /ready turns 503 and new requests are refused from here on
+    log.info("draining: %d requests in flight, up to %.0f s", llm.num_unfinished(), grace_s)
+    deadline = time.monotonic() + grace_s
+    while llm.num_unfinished() or http.in_flight:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            log.warning("drain grace period over with %d requests unfinished; aborting them", llm.num_unfinished())
+            break
+        if http.in_flight:  # woken as soon as the HTTP side goes idle
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(http.idle.wait(), timeout=left)
+        else:  # only gRPC requests remain: they have no event of their own, so poll
+            await asyncio.sleep(min(left, 0.05))
+
+
+async def _watch_engine(llm: AsyncLLM, stop: asyncio.Event) -> None:
+    """Stop the process when the engine thread dies, so the pod restarts instead of hanging."""
+    while llm.is_alive:
+        await asyncio.sleep(1.0)
+    log.error("the engine thread died (%r); exiting", llm.error)
+    stop.set()

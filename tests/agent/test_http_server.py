@@ -1,0 +1,307 @@
+"""The agent's HTTP API, through the real server process and the official openai client."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import aiohttp
+import openai
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+from server_process import AgentProcess, start_agent
+
+from kvfleet_agent import LLM, SamplingParams
+
+# A checkpoint long enough (4096 positions, 4 layers) that long generations take seconds, so
+# disconnects and drains land mid-generation without any timing assumptions.
+SLOW = {"max_position_embeddings": 4096, "hidden_size": 128, "intermediate_size": 352, "num_hidden_layers": 4}
+
+
+@pytest.fixture(scope="module")
+def model_dir(tiny_checkpoint: Callable[..., str]) -> str:
+    return tiny_checkpoint("llama", **SLOW)
+
+
+@pytest.fixture(scope="module")
+def agent(model_dir: str) -> Iterator[AgentProcess]:
+    a = start_agent(model_dir, "--served-model-name", "tiny", "--max-num-seqs", "32", "--max-queue-length", "64")
+    try:
+        yield a
+    finally:
+        assert a.stop() == 0, "".join(a.lines)
+
+
+@pytest.fixture(scope="module")
+def client(agent: AgentProcess) -> openai.OpenAI:
+    return openai.OpenAI(base_url=agent.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+@pytest.fixture(scope="module")
+def offline(model_dir: str) -> LLM:
+    return LLM(model=model_dir)
+
+
+def metrics(url: str) -> dict[str, float]:
+    """Scrape /metrics and flatten samples to 'name{label=value,...}' → value."""
+    text = asyncio.run(_get_text(url + "/metrics"))
+    out = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            labels = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()) if k != "model")
+            out[f"{s.name}{{{labels}}}"] = s.value
+    return out
+
+
+async def _get_text(url: str) -> str:
+    async with aiohttp.ClientSession() as s, s.get(url) as r:
+        assert r.status == 200
+        return await r.text()
+
+
+def wait_for_idle(url: str, timeout: float = 60.0) -> dict[str, float]:
+    """Poll /metrics until nothing runs or waits and no KV block is held (a condition, not a sleep)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        m = metrics(url)
+        if m["kvfleet_requests_running{}"] == 0 and m["kvfleet_requests_waiting{}"] == 0 \
+                and m["kvfleet_kv_cache_usage_ratio{}"] == 0.0:
+            return m
+        assert time.monotonic() < deadline, f"server did not go idle: {m}"
+        time.sleep(0.05)  # between polls of a condition, not as synchronisation
+
+
+# -- the OpenAI API ---------------------------------------------------------------------------------
+
+def test_completion_matches_offline_greedy(client: openai.OpenAI, offline: LLM) -> None:
+    r = client.completions.create(model="tiny", prompt="The cache holds", max_tokens=12, temperature=0)
+    want = offline.generate("The cache holds", SamplingParams(max_tokens=12, temperature=0), use_tqdm=False)[0]
+    assert r.choices[0].text == want.outputs[0].text
+    assert r.choices[0].finish_reason == want.outputs[0].finish_reason
+    assert r.usage is not None and r.usage.completion_tokens == len(want.outputs[0].token_ids)
+    assert r.usage.prompt_tokens == len(want.prompt_token_ids)
+
+
+def test_completion_stream_concatenates_to_the_whole(client: openai.OpenAI) -> None:
+    whole = client.completions.create(model="tiny", prompt="Blocks of sixteen", max_tokens=20, temperature=0)
+    chunks = list(client.completions.create(model="tiny", prompt="Blocks of sixteen", max_tokens=20,
+                                            temperature=0, stream=True, stream_options={"include_usage": True}))
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert text == whole.choices[0].text
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == whole.choices[0].finish_reason
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+
+
+def test_token_id_prompts_and_batches(client: openai.OpenAI, offline: LLM) -> None:
+    ids = [[1, 40, 41, 42], [1, 99, 100]]
+    r = client.completions.create(model="tiny", prompt=ids, max_tokens=6, temperature=0)
+    want = offline.generate([{"prompt_token_ids": p} for p in ids], SamplingParams(max_tokens=6, temperature=0),
+                            use_tqdm=False)
+    assert [c.index for c in r.choices] == [0, 1]
+    assert [c.text for c in r.choices] == [w.outputs[0].text for w in want]
+    assert r.usage is not None and r.usage.prompt_tokens == 7
+
+
+def test_chat_and_chat_stream(client: openai.OpenAI, offline: LLM) -> None:
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a kernel."}]
+    r = client.chat.completions.create(model="tiny", messages=messages, max_tokens=10, temperature=0)  # type: ignore[arg-type]
+    tok = offline.get_tokenizer()
+    assert tok is not None
+    want = offline.generate(tok.apply_chat_template(messages), SamplingParams(max_tokens=10, temperature=0),
+                            use_tqdm=False)[0]
+    assert r.choices[0].message.role == "assistant"
+    assert r.choices[0].message.content == want.outputs[0].text
+    chunks = list(client.chat.completions.create(model="tiny", messages=messages, max_tokens=10, temperature=0,  # type: ignore[arg-type]
+                                                 stream=True))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == want.outputs[0].text
+
+
+def test_models_health_ready_openapi(agent: AgentProcess, client: openai.OpenAI) -> None:
+    assert [m.id for m in client.models.list().data] == ["tiny"]
+
+    async def fetch() -> list[tuple[int, Any]]:
+        async with aiohttp.ClientSession() as s:
+            out = []
+            for path in ("/health", "/ready", "/openapi.json"):
+                async with s.get(agent.url + path) as r:
+                    out.append((r.status, await r.json()))
+            return out
+
+    (h, _), (rd, _), (o, doc) = asyncio.run(fetch())
+    assert (h, rd, o) == (200, 200, 200)
+    assert doc["openapi"].startswith("3.") and "/v1/chat/completions" in doc["paths"]
+
+
+# -- bad input --------------------------------------------------------------------------------------
+
+BAD_REQUESTS: list[tuple[str, Any, int, str | None]] = [
+    ("/v1/completions", "{not json", 400, None),
+    ("/v1/completions", "[1, 2]", 400, None),
+    ("/v1/completions", {"model": "tiny"}, 400, "prompt"),
+    ("/v1/completions", {"model": "tiny", "prompt": ""}, 400, "prompt"),
+    ("/v1/completions", {"model": "tiny", "prompt": []}, 400, "prompt"),
+    ("/v1/completions", {"model": "tiny", "prompt": 42}, 400, "prompt"),
+    ("/v1/completions", {"model": "tiny", "prompt": [1, "a"]}, 400, "prompt"),
+    ("/v1/completions", {"model": "tiny", "prompt": [1, 10**9]}, 400, "prompt"),
+    ("/v1/completions", {"model": "nope", "prompt": "x"}, 404, "model"),
+    ("/v1/completions", {"model": "tiny", "prompt": "x", "max_tokens": 0}, 400, "max_tokens"),
+    ("/v1/completions", {"model": "tiny", "prompt": "x", "max_tokens": "8"}, 400, "max_tokens"),
+    ("/v1/completions", {"model": "tiny", "prompt": "x", "temperature": -0.5}, 400, "temperature"),
+    ("/v1/completions", {"model": "tiny", "prompt": "x", "temperature": "hot"}, 400, "temperature"),
+    ("/v1/completions", {"model": "tiny", "prompt": "x", "top_p": 0}, 400, "top_p"),
+    ("/v1/completions", {"model": "tiny", "prompt": "x", "top_p": 1.5}, 400, "top_p"),
+    ("/v1/completions", {"model": "tiny", "prompt": "x", "top_k": -3}, 400, "top_k"),
+    ("/v1/completions", {"model": "tiny", "prompt": "x", "stop": [str(i) for i in range(17)]}, 400, "stop"),
+    ("/v1/completions", {"model": "tiny", "prompt": "x", "stop": [""]}, 400, "stop"),
+    ("/v1/completions", {"model": "tiny", "prompt": "x", "stop": 5}, 400, "stop"),
+    ("/v1/completions", {"model": "tiny", "prompt": "x", "n": 2}, 400, "n"),
+    ("/v1/completions", {"model": "tiny", "prompt": "x", "logprobs": 50}, 400, "logprobs"),
+    ("/v1/completions", {"model": "tiny", "prompt": "x", "stream": "yes"}, 400, "stream"),
+    ("/v1/completions", {"model": "tiny", "prompt": "x", "presence_penalty": 1.0}, 400, "presence_penalty"),
+    ("/v1/completions", {"model": "tiny", "prompt": "word " * 5000}, 400, "prompt"),
+    ("/v1/chat/completions", {"model": "tiny"}, 400, "messages"),
+    ("/v1/chat/completions", {"model": "tiny", "messages": [{"content": "hi"}]}, 400, "messages[0].role"),
+    ("/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": 3}]}, 400,
+     "messages[0].content"),
+    ("/v1/nowhere", {}, 404, None),
+]
+
+
+def test_bad_requests_get_clear_errors_and_the_server_keeps_serving(agent: AgentProcess,
+                                                                   client: openai.OpenAI) -> None:
+    async def send_all() -> list[tuple[int, dict[str, Any]]]:
+        async with aiohttp.ClientSession() as s:
+            out = []
+            for path, body, _, _ in BAD_REQUESTS:
+                data = body if isinstance(body, str) else json.dumps(body)
+                async with s.post(agent.url + path, data=data, headers={"Content-Type": "application/json"}) as r:
+                    out.append((r.status, await r.json()))
+            return out
+
+    results = asyncio.run(send_all())
+    for (path, body, status, param), (got, err) in zip(BAD_REQUESTS, results, strict=True):
+        assert got == status, (path, body, err)
+        assert set(err) == {"error"} and err["error"]["message"], (path, body, err)
+        assert "Traceback" not in err["error"]["message"]
+        if param is not None:
+            assert err["error"]["param"] == param, (body, err)
+    r = client.completions.create(model="tiny", prompt="still alive", max_tokens=3, temperature=0)
+    assert r.usage is not None and r.usage.completion_tokens == 3
+
+
+# -- metrics ----------------------------------------------------------------------------------------
+
+def test_metrics_count_known_traffic(agent: AgentProcess, client: openai.OpenAI) -> None:
+    wait_for_idle(agent.url)
+    before = metrics(agent.url)
+    prompts, lengths = [[1, 50 + i, 60 + i, 70 + i] for i in range(5)], [3, 5, 8, 13, 21]
+    started = time.monotonic()
+    for p, n in zip(prompts, lengths, strict=True):
+        client.completions.create(model="tiny", prompt=p, max_tokens=n, temperature=0,
+                                  extra_body={"ignore_eos": True})
+    client_time = time.monotonic() - started
+    after = wait_for_idle(agent.url)
+
+    def delta(key: str) -> float:
+        return after[key] - before.get(key, 0.0)
+
+    assert delta("kvfleet_prompt_tokens_total{}") == 20
+    assert delta("kvfleet_generation_tokens_total{}") == sum(lengths)
+    assert delta("kvfleet_requests_total{outcome=length}") == 5
+    assert delta("kvfleet_time_to_first_token_seconds_count{}") == 5
+    assert delta("kvfleet_e2e_request_latency_seconds_count{}") == 5
+    assert delta("kvfleet_request_queue_time_seconds_count{}") == 5
+    assert delta("kvfleet_inter_token_latency_seconds_count{}") == sum(n - 1 for n in lengths)
+    ttft, e2e = delta("kvfleet_time_to_first_token_seconds_sum{}"), delta("kvfleet_e2e_request_latency_seconds_sum{}")
+    assert 0 < ttft < e2e <= client_time  # the server cannot see more latency than the client did
+    assert delta("kvfleet_inter_token_latency_seconds_sum{}") <= e2e - ttft + 1e-6
+    assert after["kvfleet_time_to_first_token_seconds_bucket{le=0.005}"] >= 0  # the 5 ms bucket exists
+    assert 0 < after["kvfleet_engine_last_step_timestamp_seconds{}"] <= time.time()
+
+
+# -- disconnects and overload -----------------------------------------------------------------------
+
+def test_abandoned_streams_are_aborted_and_free_their_blocks(agent: AgentProcess) -> None:
+    before = wait_for_idle(agent.url)
+
+    async def abandon() -> int:
+        started = 0
+        async with aiohttp.ClientSession() as s:
+            body = {"model": "tiny", "prompt": "a long story", "max_tokens": 3000, "temperature": 0,
+                    "ignore_eos": True, "stream": True}
+            responses = [await s.post(agent.url + "/v1/completions", json=body) for _ in range(20)]
+            for r in responses:
+                assert r.status == 200
+                await r.content.readuntil(b"\n\n")  # the first chunk: generation is under way
+                started += 1
+            for r in responses:
+                r.close()  # hang up mid-generation
+        return started
+
+    assert asyncio.run(abandon()) == 20
+    after = wait_for_idle(agent.url)  # running and waiting back to 0, no KV block held
+    assert after["kvfleet_requests_total{outcome=abort}"] - before["kvfleet_requests_total{outcome=abort}"] == 20
+
+
+def test_overload_gets_429_with_retry_after_and_admitted_requests_complete(model_dir: str, offline: LLM) -> None:
+    a = start_agent(model_dir, "--served-model-name", "tiny", "--max-num-seqs", "1", "--max-queue-length", "2")
+    try:
+        async def burst() -> list[tuple[int, dict[str, Any], str | None]]:
+            async with aiohttp.ClientSession() as s:
+                async def one(i: int) -> tuple[int, dict[str, Any], str | None]:
+                    body = {"model": "tiny", "prompt": [1, 200 + i], "max_tokens": 400, "temperature": 0,
+                            "ignore_eos": True}
+                    async with s.post(a.url + "/v1/completions", json=body) as r:
+                        return r.status, await r.json(), r.headers.get("Retry-After")
+                return await asyncio.gather(*(one(i) for i in range(12)))
+
+        results = asyncio.run(burst())
+        rejected = [r for r in results if r[0] == 429]
+        admitted = [(i, r) for i, r in enumerate(results) if r[0] == 200]
+        assert rejected and admitted and len(rejected) + len(admitted) == 12
+        assert all(r[2] is not None and int(r[2]) >= 1 and r[1]["error"]["code"] == "queue_full" for r in rejected)
+        for i, (_, body, _) in admitted:
+            want = offline.generate({"prompt_token_ids": [1, 200 + i]},
+                                    SamplingParams(max_tokens=400, temperature=0, ignore_eos=True), use_tqdm=False)
+            assert body["choices"][0]["text"] == want[0].outputs[0].text
+            assert body["usage"]["completion_tokens"] == 400
+        m = metrics(a.url)
+        assert m["kvfleet_requests_total{outcome=rejected_queue_full}"] == len(rejected)
+    finally:
+        assert a.stop() == 0
+
+
+# -- drain ------------------------------------------------------------------------------------------
+
+def test_sigterm_drains_in_flight_requests_then_exits_zero(model_dir: str) -> None:
+    a = start_agent(model_dir, "--served-model-name", "tiny", "--drain-grace-period", "120")
+
+    async def scenario() -> tuple[list[int], int, int]:
+        async with aiohttp.ClientSession() as s:
+            body = {"model": "tiny", "prompt": "drain me", "max_tokens": 2500, "temperature": 0,
+                    "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+            responses = [await s.post(a.url + "/v1/completions", json=body) for _ in range(3)]
+            for r in responses:
+                await r.content.readuntil(b"\n\n")  # all three are generating
+            a.proc.send_signal(15)  # SIGTERM
+            async with s.get(a.url + "/ready") as r:
+                ready = r.status
+            async with s.post(a.url + "/v1/completions", json={"model": "tiny", "prompt": "late"}) as r:
+                late = r.status
+            tokens = []
+            for r in responses:
+                usage = None
+                async for line in r.content:
+                    if line.startswith(b"data: {"):
+                        usage = json.loads(line[6:]).get("usage") or usage
+                tokens.append(usage["completion_tokens"] if usage else -1)
+            return tokens, ready, late
+
+    tokens, ready, late = asyncio.run(scenario())
+    assert a.proc.wait(120) == 0, "".join(a.lines)
+    assert ready == 503 and late == 503
+    assert tokens == [2500, 2500, 2500]
