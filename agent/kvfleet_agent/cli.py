@@ -137,6 +137,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     _engine_flags(serve)
     _env_defaults(serve)
 
+    _env_defaults(ap)  # KVFLEET_LOG_LEVEL
     a = ap.parse_args(argv)
     logging.basicConfig(level=a.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:

@@ -1,20 +1,26 @@
-"""The agent's HTTP API, through the real server process and the official openai client."""
+"""The agent process end to end: HTTP with the official openai client, gRPC, metrics, overload and drain."""
 
 from __future__ import annotations
 
 import asyncio
 import json
+import os
+import subprocess
+import sys
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import aiohttp
+import grpc
 import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from server_process import AgentProcess, start_agent
 
 from kvfleet_agent import LLM, SamplingParams
+from kvfleet_agent.server import kvfleet_pb2 as pb
+from kvfleet_agent.server import kvfleet_pb2_grpc as pb_grpc
 
 # A checkpoint long enough (4096 positions, 4 layers) that long generations take seconds, so
 # disconnects and drains land mid-generation without any timing assumptions.
@@ -134,6 +140,28 @@ def test_models_health_ready_openapi(agent: AgentProcess, client: openai.OpenAI)
     (h, _), (rd, _), (o, doc) = asyncio.run(fetch())
     assert (h, rd, o) == (200, 200, 200)
     assert doc["openapi"].startswith("3.") and "/v1/chat/completions" in doc["paths"]
+
+
+def test_grpc_unary_and_stream_against_the_process(agent: AgentProcess, offline: LLM) -> None:
+    assert agent.grpc_port is not None
+    want = offline.generate("gRPC says", SamplingParams(max_tokens=9, temperature=0), use_tqdm=False)[0].outputs[0]
+
+    async def call() -> tuple[Any, list[Any], Any]:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{agent.grpc_port}") as channel:
+            gen = pb_grpc.GenerationStub(channel)  # type: ignore[no-untyped-call]
+            health = pb_grpc.HealthStub(channel)  # type: ignore[no-untyped-call]
+            req = pb.GenerateRequest(model="tiny", text="gRPC says", max_tokens=9, temperature=0.0)
+            unary = await gen.Generate(req, timeout=60)
+            chunks = [c async for c in gen.GenerateStream(req, timeout=60)]
+            status = await health.Check(pb.HealthCheckRequest(), timeout=10)
+            return unary, chunks, status
+
+    unary, chunks, status = asyncio.run(call())
+    assert list(unary.token_ids) == want.token_ids and unary.text == want.text
+    assert unary.finish_reason == "length" and unary.usage.completion_tokens == 9
+    assert "".join(c.text for c in chunks) == want.text
+    assert [t for c in chunks for t in c.token_ids] == want.token_ids
+    assert status.status == pb.HealthCheckResponse.SERVING
 
 
 # -- bad input --------------------------------------------------------------------------------------
@@ -305,3 +333,26 @@ def test_sigterm_drains_in_flight_requests_then_exits_zero(model_dir: str) -> No
     assert a.proc.wait(120) == 0, "".join(a.lines)
     assert ready == 503 and late == 503
     assert tokens == [2500, 2500, 2500]
+
+
+def test_environment_variables_configure_the_agent(model_dir: str) -> None:
+    """Pod specs set flags as KVFLEET_<FLAG>: the queue limit set that way must take effect."""
+    env = {**os.environ, "KVFLEET_MAX_QUEUE_LENGTH": "0", "KVFLEET_SERVED_MODEL_NAME": "from-env",
+           "KVFLEET_GRPC_PORT": "-1", "KVFLEET_LOG_LEVEL": "WARNING"}
+    proc = subprocess.Popen([sys.executable, "-m", "kvfleet_agent.cli", "serve", "--model", model_dir,
+                             "--port", "0"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    try:
+        assert proc.stdout is not None
+        line = proc.stdout.readline()
+        assert "ready:" in line and "model=from-env" in line and "grpc=None" in line, line
+        url = line.split()[2]
+
+        async def probe() -> tuple[int, str]:
+            async with aiohttp.ClientSession() as s, s.post(url + "/v1/completions",
+                                                            json={"model": "from-env", "prompt": "x"}) as r:
+                return r.status, (await r.json())["error"]["code"]
+
+        assert asyncio.run(probe()) == (429, "queue_full")  # a queue of length 0 admits nothing
+    finally:
+        proc.terminate()
+        assert proc.wait(60) == 0
