@@ -1,10 +1,4 @@
-"""Tests of the load generator: its pure parts, its runner with fake senders, and whole runs over real HTTP.
-
-Whole runs go to servers on 127.0.0.1 port 0: a scripted aiohttp server defined here (exact chunks, 429s,
-hangs, errors; synchronised by asyncio events) and, when it imports and starts, kvfleet's own HTTP front
-end on a tiny random checkpoint. Every event loop is bounded by a timeout so a lost wake-up fails a test
-instead of hanging it; timing assertions are orderings or generous lower bounds only.
-"""
+"""Tests of whole load-generator runs over real HTTP, through run_benchmark and the command line."""
 
 from __future__ import annotations
 
@@ -12,267 +6,31 @@ import argparse
 import asyncio
 import contextlib
 import datetime as dt
-import itertools
 import json
-import math
-import random
 import threading
-from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
-import numpy as np
 import pytest
 from aiohttp import web
-from hypothesis import given, settings
-from hypothesis import strategies as st
+from test_loadgen_helpers import chunk, run
 
 from kvfleet_agent.bench import loadgen
-from kvfleet_agent.bench.loadgen import (
-    WORDS,
-    BenchConfig,
-    LengthDist,
-    RequestSpec,
-    SSEEvent,
-    SSEParser,
-    StreamState,
-    arrival_schedule,
-    file_requests,
-    load_prompt_file,
-    parse_retry_after,
-    poisson_arrivals,
-    run_benchmark,
-    run_load,
-    synthetic_requests,
-)
-from kvfleet_agent.bench.report import RequestRecord, Slo, count_good, distribution, percentile, summarize
+from kvfleet_agent.bench.loadgen import BenchConfig, parse_retry_after, run_benchmark
+from kvfleet_agent.bench.report import RequestRecord
+from kvfleet_agent.bench.workload import LengthDist
 
-LOOP_TIMEOUT_S = 20.0  # guards every event loop; no test comes near it when the code works
+# Whole runs go to servers on 127.0.0.1 port 0: a scripted aiohttp server defined here (exact chunks, 429s,
+# hangs, errors; synchronised by asyncio events) and, when it imports and starts, kvfleet's own HTTP front
+# end on a tiny random checkpoint. Timing assertions are orderings or generous lower bounds only.
+
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 T = TypeVar("T")
 
 
-def run(coro: Coroutine[Any, Any, T]) -> T:
-    async def bounded() -> T:
-        return await asyncio.wait_for(coro, LOOP_TIMEOUT_S)
-
-    return asyncio.run(bounded())
-
-
-# --- arrivals and requests -------------------------------------------------------------------------
-
-
-def test_poisson_schedule_has_the_mean_rate_and_is_deterministic() -> None:
-    rate, n = 8.0, 20000
-    times = arrival_schedule(n, rate, seed=7)
-    assert times == arrival_schedule(n, rate, seed=7)
-    assert times != arrival_schedule(n, rate, seed=8)
-    gaps = np.diff([0.0, *times])
-    assert (gaps > 0).all()
-    assert n / times[-1] == pytest.approx(rate, rel=0.03)
-    # Exponential gaps: the standard deviation equals the mean.
-    assert gaps.std() / gaps.mean() == pytest.approx(1.0, rel=0.05)
-    # The lazy generator and the list agree, across its internal blocks of draws.
-    assert list(itertools.islice(poisson_arrivals(rate, 7), 3000)) == times[:3000]
-
-
-def test_infinite_rate_sends_everything_at_zero_and_bad_rates_are_refused() -> None:
-    assert arrival_schedule(5, math.inf, seed=0) == [0.0] * 5
-    with pytest.raises(ValueError):
-        arrival_schedule(1, 0.0, seed=0)
-
-
-def test_length_distribution_mean_and_bounds() -> None:
-    rng = np.random.default_rng(0)
-    for mean, lo, hi in ((50, 10, 90), (20, 10, 90), (85, 10, 90)):
-        d = LengthDist(mean, lo, hi)
-        xs = [d.sample(rng) for _ in range(20000)]
-        assert min(xs) >= lo and max(xs) <= hi
-        assert np.mean(xs) == pytest.approx(mean, rel=0.02)
-    assert {LengthDist(7, 7, 7).sample(rng) for _ in range(10)} == {7}
-    assert LengthDist.build(None, [4, 8], 128) == LengthDist(6, 4, 8)
-    assert LengthDist.build(None, None, 128) == LengthDist(128, 128, 128)
-    with pytest.raises(ValueError):
-        LengthDist(3, 4, 8)
-
-
-def test_synthetic_prompts_are_deterministic_words_of_the_drawn_length() -> None:
-    def first(seed: int) -> list[RequestSpec]:
-        return list(itertools.islice(synthetic_requests(seed, LengthDist(20, 5, 35), LengthDist(16, 8, 24)), 50))
-
-    a = first(3)
-    assert a == first(3)
-    assert a != first(4)
-    assert [r.index for r in a] == list(range(50))
-    for r in a:
-        words = r.prompt.split(" ")
-        assert len(words) == r.prompt_words and 5 <= len(words) <= 35
-        assert set(words) <= set(WORDS)
-        assert 8 <= r.max_tokens <= 24
-    assert len(set(WORDS)) == len(WORDS) > 200
-
-
-def test_prompt_file_is_cycled_and_validated(tmp_path: Path) -> None:
-    good = tmp_path / "p.jsonl"
-    good.write_text('{"prompt": "a b", "max_tokens": 3}\n\n{"prompt": "c"}\n', encoding="utf-8")
-    entries = load_prompt_file(str(good))
-    assert entries == [("a b", 3), ("c", None)]
-    specs = list(itertools.islice(file_requests(entries, 0, LengthDist(9, 9, 9)), 5))
-    assert [(s.prompt, s.max_tokens) for s in specs] == [("a b", 3), ("c", 9), ("a b", 3), ("c", 9), ("a b", 3)]
-    for text in ('{"prompt": 1}\n', 'not json\n', '{"prompt": "x", "max_tokens": 0}\n', "\n"):
-        bad = tmp_path / "bad.jsonl"
-        bad.write_text(text, encoding="utf-8")
-        with pytest.raises(ValueError):
-            load_prompt_file(str(bad))
-
-
-# --- statistics and goodput ------------------------------------------------------------------------
-
-
-@settings(max_examples=200, deadline=None)
-@given(st.lists(st.floats(min_value=-1e6, max_value=1e6, allow_nan=False), min_size=1, max_size=60),
-       st.floats(min_value=0.0, max_value=100.0))
-def test_percentile_equals_numpy(values: list[float], q: float) -> None:
-    assert percentile(values, q) == pytest.approx(float(np.percentile(values, q)), rel=1e-12, abs=1e-9)
-
-
-def test_percentile_fixed_cases_and_distribution() -> None:
-    xs = [15.0, 1.0, 7.0, 3.0]
-    for q in (0, 25, 50, 90, 95, 99, 100):
-        assert percentile(xs, q) == pytest.approx(float(np.percentile(xs, q)))
-    d = distribution(xs, scale=1e3)
-    assert d["mean"] == pytest.approx(6.5e3)
-    assert d["p50"] == pytest.approx(5e3)
-    assert distribution([]) == {"mean": None, "p50": None, "p90": None, "p95": None, "p99": None}
-    with pytest.raises(ValueError):
-        percentile([], 50)
-
-
-def _rec(i: int, status: str = "ok", ttft: float | None = 0.1, itl: list[float] | None = None,
-         tokens: int = 4) -> RequestRecord:
-    r = RequestRecord(i, 0.0, start=10.0, end=11.0, ttft_s=ttft, itl_s=itl if itl is not None else [0.02] * 3,
-                      output_tokens=tokens, prompt_tokens=10)
-    r.status = status  # type: ignore[assignment]
-    return r
-
-
-def test_goodput_counts_requests_within_every_given_slo() -> None:
-    records = [
-        _rec(0),  # good on both
-        _rec(1, ttft=0.5),  # TTFT too slow
-        _rec(2, itl=[0.01, 0.09]),  # mean ITL 50 ms: too slow
-        _rec(3, itl=[0.001, 0.059]),  # mean ITL 30 ms: good, although one gap exceeds the SLO
-        _rec(4, itl=[]),  # one chunk: no gap to miss the ITL SLO
-        _rec(5, ttft=None, itl=[]),  # no text at all: misses a TTFT SLO
-        _rec(6, status="failed"),
-        _rec(7, status="rejected"),
-    ]
-    both = Slo(ttft_s=0.2, itl_s=0.04)
-    assert count_good(records, both) == 3
-    assert count_good(records, Slo(ttft_s=0.2)) == 4
-    assert count_good(records, Slo(itl_s=0.04)) == 5
-    s = summarize(records, duration_s=2.0, slo=both, stop_reason="num_requests")
-    assert s["good_requests"] == 3 and s["goodput"] == pytest.approx(1.5)
-    assert (s["completed"], s["failed"], s["rejected"], s["cancelled"]) == (6, 1, 1, 0)
-    assert s["request_throughput"] == pytest.approx(3.0)
-    assert s["total_output_tokens"] == 24 and s["output_token_throughput"] == pytest.approx(12.0)
-    assert s["total_token_throughput"] == pytest.approx((24 + 60) / 2.0)
-    assert summarize(records, 2.0, Slo(), "num_requests")["goodput"] is None
-
-
-# --- SSE parsing and stream accounting -----------------------------------------------------------------
-
-
-def _events(parser: SSEParser, *chunks: bytes) -> list[SSEEvent]:
-    out: list[SSEEvent] = []
-    for c in chunks:
-        out += parser.feed(c)
-    return out + parser.close()
-
-
-def test_sse_comments_multiline_done_and_line_endings() -> None:
-    stream = (b": keep-alive\n\n"
-              b"data: {\"a\": 1}\n\n"
-              b":ping\r\n"
-              b"data: line one\r\ndata:line two\r\n\r\n"
-              b"event: usage\rdata: x\r\r"
-              b"id: 7\nretry: 10\nunknown: field\ndata\n\n"
-              b"data: [DONE]\n\n")
-    want = [SSEEvent('{"a": 1}'), SSEEvent("line one\nline two"), SSEEvent("x", "usage"), SSEEvent(""),
-            SSEEvent("[DONE]")]
-    assert _events(SSEParser(), stream) == want
-
-
-@settings(max_examples=150, deadline=None)
-@given(st.lists(st.integers(min_value=0, max_value=200), max_size=12))
-def test_sse_events_do_not_depend_on_how_the_bytes_are_split(cuts: list[int]) -> None:
-    stream = ("data: {\"text\": \"café 🙂\"}\r\n\r\n: keep-alive\r\n\r\ndata: a\r\ndata: b\r\n\r\n"
-              "data: [DONE]\r\n\r\n").encode()
-    bounds = sorted({min(c, len(stream)) for c in cuts} | {0, len(stream)})
-    pieces = [stream[a:b] for a, b in itertools.pairwise(bounds)]
-    assert _events(SSEParser(), *pieces) == [SSEEvent('{"text": "café 🙂"}'), SSEEvent("a\nb"), SSEEvent("[DONE]")]
-
-
-def test_sse_close_keeps_a_last_event_without_its_blank_line() -> None:
-    p = SSEParser()
-    assert p.feed(b"data: tail") == []
-    assert p.close() == [SSEEvent("tail")]
-    p = SSEParser()
-    assert p.feed(b"data: cr\r") == []  # the CR may be half of a CRLF: not a line end yet
-    assert p.close() == [SSEEvent("cr")]
-
-
-def _chunk(text: str, finish: str | None = None, usage: dict[str, int] | None = None) -> str:
-    obj: dict[str, Any] = {"choices": [{"index": 0, "text": text, "finish_reason": finish}]}
-    if usage is not None:
-        obj["usage"] = usage
-    return json.dumps(obj)
-
-
-def test_stream_state_ttft_itl_and_counted_tokens() -> None:
-    s = StreamState(start=100.0)
-    s.on_data(_chunk(""), 100.5)  # empty text (e.g. a role chunk): not the first token
-    s.on_data(_chunk("a"), 101.0)
-    s.on_data(_chunk("b"), 102.0)
-    s.on_data(_chunk("c", "length"), 104.0)
-    assert s.ttft_s == 1.0 and s.itl_s == [1.0, 2.0]
-    assert s.output_tokens == 3 and s.usage_tokens is None and s.complete and not s.done
-    s.on_data(json.dumps({"choices": [], "usage": {"prompt_tokens": 9, "completion_tokens": 4}}), 104.1)
-    s.on_data("[DONE]", 104.2)
-    assert s.output_tokens == 4 and s.prompt_tokens == 9 and s.done  # the server's count wins
-    assert s.itl_s == [1.0, 2.0]
-
-
-def test_stream_state_spreads_multi_token_chunks_as_the_server_reports() -> None:
-    s = StreamState(start=0.0)
-
-    def u(n: int) -> dict[str, int]:
-        return {"prompt_tokens": 5, "completion_tokens": n}
-
-    s.on_data(_chunk("a", usage=u(2)), 1.0)  # two tokens in the first chunk: TTFT, no gap
-    s.on_data(_chunk("bcd", usage=u(5)), 1.3)  # three tokens over 0.3 s
-    s.on_data(_chunk("", usage=u(6)), 1.4)  # a held-back token (no text yet)...
-    s.on_data(_chunk("ef", "stop", usage=u(7)), 1.5)  # ...arrives with the next: two tokens over 0.2 s
-    assert s.ttft_s == 1.0
-    assert s.itl_s == pytest.approx([0.1] * 3 + [0.1] * 2)
-    assert s.output_tokens == 7 and s.counted_tokens == 7
-
-
-def test_stream_state_usage_only_at_the_end_is_not_taken_as_per_chunk() -> None:
-    s = StreamState(start=0.0)
-    s.on_data(_chunk("a"), 1.0)
-    s.on_data(_chunk("b", "length", usage={"prompt_tokens": 1, "completion_tokens": 2}), 2.0)
-    assert s.itl_s == [1.0] and s.output_tokens == 2
-
-
-def test_stream_state_errors() -> None:
-    s = StreamState(start=0.0)
-    s.on_data(json.dumps({"error": {"message": "engine failed", "type": "server_error"}}), 1.0)
-    assert s.error == "engine failed"
-    s = StreamState(start=0.0)
-    s.on_data("{not json", 1.0)
-    assert s.error is not None and "bad SSE data" in s.error
+# --- the Retry-After header ------------------------------------------------------------------------
 
 
 def test_retry_after_seconds_and_dates() -> None:
@@ -283,115 +41,6 @@ def test_retry_after_seconds_and_dates() -> None:
     assert parse_retry_after("Wed, 01 Jan 2025 11:00:00 GMT", now) == 0.0  # in the past: no wait
     assert parse_retry_after("soon", now) is None
     assert parse_retry_after(None, now) is None
-
-
-# --- the runner, with fake senders -----------------------------------------------------------------
-
-
-def _specs() -> Iterator[RequestSpec]:
-    return (RequestSpec(i, f"p{i}", 4) for i in itertools.count())
-
-
-def test_closed_loop_never_exceeds_its_concurrency() -> None:
-    concurrency, n = 3, 25
-    waiting: list[asyncio.Event] = []
-    changed = asyncio.Condition()
-    in_flight = 0
-    peak = 0
-
-    async def send(spec: RequestSpec, rec: RequestRecord) -> None:
-        nonlocal in_flight, peak
-        in_flight += 1
-        peak = max(peak, in_flight)
-        ev = asyncio.Event()
-        async with changed:
-            waiting.append(ev)
-            changed.notify_all()
-        await ev.wait()
-        in_flight -= 1
-        rec.status = "ok"
-
-    async def body() -> None:
-        task = asyncio.create_task(run_load(_specs(), send, concurrency=concurrency, num_requests=n))
-        rng = random.Random(0)
-        released = 0
-        while released < n:
-            want = min(concurrency, n - released)  # every slot it may fill (the rest of the run may be smaller)
-            async with changed:
-                await changed.wait_for(lambda: len(waiting) == want)  # noqa: B023 (awaited right here)
-            assert in_flight == len(waiting) <= concurrency
-            waiting.pop(rng.randrange(len(waiting))).set()  # finish one at random: a slot opens
-            released += 1
-            await asyncio.sleep(0)
-        out = await task
-        assert [r.status for r in out.records] == ["ok"] * n
-        assert out.stop_reason == "num_requests"
-
-    run(body())
-    assert peak == concurrency
-
-
-def test_closed_loop_honours_retry_after_and_open_loop_does_not() -> None:
-    async def body(closed: bool) -> list[RequestRecord]:
-        async def send(spec: RequestSpec, rec: RequestRecord) -> None:
-            if spec.index == 0:
-                rec.status, rec.retry_after_s = "rejected", 0.3
-            else:
-                rec.status = "ok"
-
-        kw: dict[str, Any] = {"concurrency": 1} if closed else {"request_rate": math.inf}
-        out = await run_load(_specs(), send, num_requests=3, **kw)
-        return out.records
-
-    closed = run(body(True))
-    assert [r.status for r in closed] == ["rejected", "ok", "ok"]
-    assert closed[1].start is not None and closed[0].end is not None
-    assert closed[1].start - closed[0].end >= 0.29  # the slot stayed closed for Retry-After
-    opened = run(body(False))
-    assert opened[1].start is not None and opened[0].end is not None
-    assert opened[1].start - opened[0].end < 0.29
-
-
-def test_duration_bound_cancels_what_is_in_flight() -> None:
-    never = asyncio.Event()
-
-    async def send(spec: RequestSpec, rec: RequestRecord) -> None:
-        assert rec.start is not None
-        rec.ttft_s = 0.0  # it got its first token, then the server went quiet
-        await never.wait()
-
-    async def body() -> None:
-        out = await run_load(_specs(), send, concurrency=2, duration_s=0.3)
-        assert out.stop_reason == "duration"
-        assert [r.status for r in out.records] == ["cancelled", "cancelled"]
-        assert all(r.ttft_s == 0.0 and r.end is not None for r in out.records)
-        assert 0.29 <= out.duration_s < 5.0
-
-    run(body())
-
-
-def test_open_loop_stops_issuing_at_the_duration() -> None:
-    async def send(spec: RequestSpec, rec: RequestRecord) -> None:
-        rec.status = "ok"
-
-    async def body() -> None:
-        out = await run_load(_specs(), send, request_rate=40.0, seed=1, duration_s=0.5)
-        due = [t for t in arrival_schedule(200, 40.0, seed=1) if t < 0.5]
-        assert out.stop_reason == "duration"
-        assert [r.scheduled_s for r in out.records] == due
-        assert all(r.status == "ok" for r in out.records)
-
-    run(body())
-
-
-def test_runner_rejects_unbounded_and_ambiguous_runs() -> None:
-    async def send(spec: RequestSpec, rec: RequestRecord) -> None:
-        rec.status = "ok"
-
-    for kw in ({"request_rate": math.inf, "duration_s": 1.0}, {"concurrency": 1},
-               {"concurrency": 1, "request_rate": 1.0, "num_requests": 1}, {"concurrency": 0, "num_requests": 1}):
-        with pytest.raises(ValueError):
-            run(run_load(_specs(), send, **kw))
 
 
 # --- a scripted server over real HTTP -------------------------------------------------------------
@@ -455,7 +104,7 @@ class Scripted:
             n = self.chunks
             for i in range(n):
                 await asyncio.sleep(self.delay_s)
-                data = _chunk(f" t{i}", "length" if i == n - 1 else None).encode()
+                data = chunk(f" t{i}", "length" if i == n - 1 else None).encode()
                 await resp.write(b"data: " + data[:7])  # one event in two writes: the parser must join them
                 await resp.write(data[7:] + b"\n\n")
                 if self.mode == "hang_after_first":
