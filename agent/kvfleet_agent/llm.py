@@ -59,14 +59,19 @@ class LLM:
         results: list[RequestOutput | None] = [None] * len(prompts)
         bar = tqdm(total=len(prompts), desc="generate", unit="req", disable=not use_tqdm, dynamic_ncols=True)
         start, tokens = time.perf_counter(), 0
-        with bar:
-            while self.engine.has_unfinished():
-                for t in self.engine.step():
-                    tokens += 1
-                    if t.request.is_finished:
-                        results[order[t.request.request_id]] = self.engine.output(t)
-                        bar.update(1)
-                        bar.set_postfix_str(f"{tokens / (time.perf_counter() - start):.0f} tok/s", refresh=False)
+        try:
+            with bar:
+                while self.engine.has_unfinished():
+                    for t in self.engine.step():
+                        tokens += 1
+                        if t.request.is_finished:
+                            results[order[t.request.request_id]] = self.engine.output(t)
+                            bar.update(1)
+                            bar.set_postfix_str(f"{tokens / (time.perf_counter() - start):.0f} tok/s",
+                                                refresh=False)
+        except BaseException:  # interrupted (Ctrl-C) or failed: leave the engine clean for the next call
+            self.engine.abort(self.engine.unfinished_ids())
+            raise
         return [r for r in results if r is not None]
 
 

@@ -48,8 +48,9 @@ class SamplingParams:
             raise bad("top_p", self.top_p, "use a number in (0, 1]; 1 disables nucleus sampling")
         if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
             raise bad("top_k", self.top_k, "use a positive integer, or 0 / -1 to disable it")
-        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
-            raise bad("seed", self.seed, "use an integer or leave it unset")
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)
+                                      or not -(2**63) <= self.seed < 2**64):
+            raise bad("seed", self.seed, "use an integer in [-2**63, 2**64) or leave it unset")
         if len(self.stop) > MAX_STOP_STRINGS:
             raise bad("stop", f"<{len(self.stop)} strings>", f"pass at most {MAX_STOP_STRINGS} stop strings")
         if any(not isinstance(s, str) or not s for s in self.stop):

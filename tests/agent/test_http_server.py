@@ -183,6 +183,7 @@ BAD_REQUESTS: list[tuple[str, Any, int, str | None]] = [
     ("/v1/completions", {"model": "tiny", "prompt": "x", "top_p": 0}, 400, "top_p"),
     ("/v1/completions", {"model": "tiny", "prompt": "x", "top_p": 1.5}, 400, "top_p"),
     ("/v1/completions", {"model": "tiny", "prompt": "x", "top_k": -3}, 400, "top_k"),
+    ("/v1/completions", {"model": "tiny", "prompt": "x", "seed": 2**64}, 400, "seed"),
     ("/v1/completions", {"model": "tiny", "prompt": "x", "stop": [str(i) for i in range(17)]}, 400, "stop"),
     ("/v1/completions", {"model": "tiny", "prompt": "x", "stop": [""]}, 400, "stop"),
     ("/v1/completions", {"model": "tiny", "prompt": "x", "stop": 5}, 400, "stop"),
@@ -359,3 +360,35 @@ def test_environment_variables_configure_the_agent(model_dir: str) -> None:
     finally:
         proc.terminate()
         assert proc.wait(60) == 0
+
+
+def test_drain_grace_period_is_enforced(model_dir: str) -> None:
+    """Requests outliving the grace period are aborted: their streams end cleanly and the process exits 0."""
+    a = start_agent(model_dir, "--served-model-name", "tiny", "--drain-grace-period", "1")
+
+    async def scenario() -> tuple[list[int], list[bool], float]:
+        async with aiohttp.ClientSession() as s:
+            body = {"model": "tiny", "prompt": "too long to drain", "max_tokens": 3500, "temperature": 0,
+                    "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+            responses = [await s.post(a.url + "/v1/completions", json=body) for _ in range(8)]
+            for r in responses:
+                await r.content.readuntil(b"\n\n")
+            sent = time.monotonic()
+            a.proc.send_signal(15)
+            tokens, done = [], []
+            for r in responses:
+                usage, last = None, b""
+                async for line in r.content:
+                    if line.startswith(b"data: {"):
+                        usage = json.loads(line[6:]).get("usage") or usage
+                    if line.strip():
+                        last = line.strip()
+                tokens.append(usage["completion_tokens"] if usage else -1)
+                done.append(last == b"data: [DONE]")
+            return tokens, done, time.monotonic() - sent
+
+    tokens, done, elapsed = asyncio.run(scenario())
+    assert a.proc.wait(60) == 0, "".join(a.lines)
+    assert all(done), "every stream must end with [DONE]"
+    assert all(0 < t < 3500 for t in tokens), tokens  # cut short by the abort, not run to the end
+    assert elapsed < 30, f"the drain took {elapsed:.1f} s with a 1 s grace period"

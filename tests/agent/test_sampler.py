@@ -127,3 +127,8 @@ def test_seeded_rows_draw_from_their_own_generators() -> None:
     # One seed per request: still distributed as softmax across requests.
     freq = _frequencies([SamplingParams(seed=s) for s in range(n)])
     _assert_matches(freq, torch.softmax(_DIST_LOGITS.double(), -1), n)
+
+
+def test_top_k_beyond_the_vocabulary_cuts_nothing() -> None:
+    logits = torch.randn(2, 50, generator=torch.Generator().manual_seed(3))
+    torch.testing.assert_close(_cut(logits, [2**63, 10**6], [1.0, 1.0]), logits)

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 import queue
 import threading
+import time
 from collections.abc import Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -21,13 +23,19 @@ log = logging.getLogger(__name__)
 
 
 class EngineDeadError(RuntimeError):
-    """The engine loop failed; no request can make progress any more."""
+    """The engine loop failed or was shut down; no request can make progress any more."""
+
+
+_CLOSED = object()  # put in a stream's queue by close(), so a pending __anext__ wakes up and ends
 
 
 @dataclass(eq=False)
 class _Stream:
     loop: asyncio.AbstractEventLoop
-    queue: asyncio.Queue[RequestOutput | BaseException]
+    queue: asyncio.Queue[object]
+    # The consumer left: outputs are dropped, but the id stays taken until the engine confirms the
+    # abort, so a new request reusing the id cannot receive the old request's last output.
+    closed: bool = False
 
 
 class RequestStream:
@@ -48,11 +56,12 @@ class RequestStream:
         except asyncio.CancelledError:  # the consumer was cancelled mid-wait (a disconnect): it is gone
             self.close()
             raise
+        if item is _CLOSED:
+            raise StopAsyncIteration
         if isinstance(item, BaseException):
             self._done = True
-            if isinstance(item, ValueError):
-                raise item
-            raise EngineDeadError("the engine failed while serving this request") from item
+            raise item  # ValueError: this request was refused; EngineDeadError: the engine failed
+        assert isinstance(item, RequestOutput)
         self._done = item.finished
         return item
 
@@ -64,7 +73,9 @@ class RequestStream:
         """Synchronous aclose, also run when the stream is garbage collected (e.g. after `break`)."""
         if not self._done:
             self._done = True
-            self.llm._abandon(self.request_id)
+            self.llm._abandon(self.request_id, self._stream)
+            with contextlib.suppress(RuntimeError):  # the consumer's loop may already be closed
+                self._stream.queue.put_nowait(_CLOSED)  # wake a task still waiting in __anext__
 
     def __del__(self) -> None:
         self.close()
@@ -74,16 +85,21 @@ class AsyncLLM:
     """Runs LLMEngine.step in a dedicated thread; callers add requests and iterate their outputs.
 
     The engine is touched only by its thread: callers post commands (add, abort) to an inbox, so
-    a long step never blocks the event loop and no lock is held around the model.
+    a long step never blocks the event loop and no lock is held around the model. One small lock
+    orders stream registration against the engine's death, so no stream can outlive the engine.
     """
 
     def __init__(self, config: EngineConfig) -> None:
         self.engine = LLMEngine(config)
         self._inbox: queue.SimpleQueue[tuple[str, object, Future[None] | None]] = queue.SimpleQueue()
         self._streams: dict[str, _Stream] = {}
+        self._lock = threading.Lock()
         self._ids = itertools.count()
+        # Adds posted (caller side) and taken (engine side): each written by one thread only.
+        self._adds_posted = 0
+        self._adds_taken = 0
         self._closed = False  # shutdown() was called: take no new requests
-        self._stopped = False  # the engine thread handled "stop": leave the loop
+        self._stopped = False  # the engine thread is done (stop handled, or it failed)
         self.error: BaseException | None = None
         self._thread = threading.Thread(target=self._loop, name="kvfleet-engine", daemon=True)
         self._thread.start()
@@ -96,17 +112,17 @@ class AsyncLLM:
     @property
     def is_alive(self) -> bool:
         """Whether the engine thread is running and has not failed."""
-        return self._thread.is_alive() and self.error is None
+        return self._thread.is_alive() and self.error is None and not self._stopped
 
     def num_unfinished(self) -> int:
         """Requests accepted and not finished (approximate while a step runs)."""
         return len(self._streams)
 
     def num_waiting(self) -> int:
-        """Requests accepted but not yet running: queued in the engine or still in its inbox."""
+        """Requests accepted but not yet running: queued in the engine or still on their way to it."""
         # Read from another thread without a lock: len() of a deque is atomic, and an estimate
         # one step stale is all admission control needs.
-        return len(self.engine.scheduler.waiting) + self._inbox.qsize()
+        return len(self.engine.scheduler.waiting) + max(0, self._adds_posted - self._adds_taken)
 
     def generate(self, prompt: str | Sequence[int], params: SamplingParams,
                  request_id: str | None = None) -> RequestStream:
@@ -116,37 +132,42 @@ class AsyncLLM:
         at first iteration) keeps admission control exact: a request counts as waiting the moment
         it is accepted. Closing the stream early, or dropping it, aborts the request.
         """
-        if self.error is not None:
-            raise EngineDeadError("the engine has failed") from self.error
-        if self._closed:
-            raise EngineDeadError("the engine is shut down")
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
-        if rid in self._streams:
-            raise ValueError(f"request_id {rid!r} is already in use by a running request: pick another")
         req = self.engine.make_request(rid, prompt, params)
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
-        self._streams[rid] = stream
-        self._post("add", req)
+        with self._lock:
+            if self.error is not None or self._stopped or self._closed:
+                raise EngineDeadError("the engine has failed" if self.error else "the engine is shut down")
+            if rid in self._streams:
+                raise ValueError(f"request_id {rid!r} is already in use by a running request: pick another")
+            self._streams[rid] = stream
+            self._adds_posted += 1
+            self._post("add", req)
         return RequestStream(self, rid, stream)
 
-    def _abandon(self, request_id: str) -> None:
-        """A consumer left before the end: drop its stream and free the request's blocks."""
-        self._streams.pop(request_id, None)
-        self._post("abort", request_id)
+    def _abandon(self, request_id: str, stream: _Stream) -> None:
+        """A consumer left before the end: stop delivering to it and free the request's blocks."""
+        stream.closed = True
+        if not self._stopped:
+            self._post("abort", request_id)
 
     async def abort(self, request_id: str) -> None:
         """Abort a request and wait until its blocks are back in the pool.
 
         A consumer still iterating the request's stream gets a last output with finish_reason "abort".
         """
-        done: Future[None] = Future()
-        self._post("abort", request_id, done)
-        await asyncio.wrap_future(done)
+        await self._command("abort", request_id)
 
     async def barrier(self) -> None:
         """Wait until the engine thread has handled every command posted before this call."""
+        await self._command("barrier", None)
+
+    async def _command(self, op: str, arg: object) -> None:
         done: Future[None] = Future()
-        self._post("barrier", None, done)
+        with self._lock:
+            if self._stopped:  # nobody will read the inbox again: the command is moot
+                return
+            self._post(op, arg, done)
         await asyncio.wrap_future(done)
 
     def shutdown(self, timeout: float = 10.0) -> None:
@@ -166,9 +187,12 @@ class AsyncLLM:
                 op, arg, done = self._inbox.get(block=block)
             except queue.Empty:
                 return
+            if block:  # the engine was idle: restart the progress clock so /health sees no stall
+                self.engine.counters.last_step_time = time.time()
             block = False
             if op == "add":
                 assert isinstance(arg, Request)
+                self._adds_taken += 1
                 try:
                     self.engine.add(arg)
                 except ValueError as e:  # one bad request must not take the engine down
@@ -182,13 +206,20 @@ class AsyncLLM:
                 done.set_result(None)
 
     def _deliver(self, request_id: str, item: RequestOutput | BaseException) -> None:
-        """Hand an output (or error) to the request's consumer; its last item closes the stream."""
+        """Hand an output (or error) to the request's consumer; its last item releases the id."""
         last = not isinstance(item, RequestOutput) or item.finished
         stream = self._streams.pop(request_id, None) if last else self._streams.get(request_id)
-        if stream is not None:
+        if stream is None or stream.closed:
+            return
+        try:
             stream.loop.call_soon_threadsafe(stream.queue.put_nowait, item)
+        except RuntimeError:  # the consumer's event loop is closed: it is gone, free its request
+            stream.closed = True
+            if not last:
+                self._post("abort", request_id)
 
     def _loop(self) -> None:
+        failure: BaseException | None = None
         try:
             while not self._stopped:
                 self._drain_inbox(block=not self.engine.has_unfinished())
@@ -199,7 +230,22 @@ class AsyncLLM:
                         self._deliver(t.request.request_id, self.engine.output(t))
         except BaseException as e:  # a failed step must not leave clients waiting forever
             log.exception("engine loop failed")
-            self.error = e
-            for stream in list(self._streams.values()):
-                stream.loop.call_soon_threadsafe(stream.queue.put_nowait, e)
-            self._streams.clear()
+            failure = e
+        with self._lock:  # from here no stream can be registered, and none is left waiting
+            self.error = failure
+            self._stopped = True
+            streams, self._streams = list(self._streams.items()), {}
+        dead = EngineDeadError("the engine failed while serving this request" if failure
+                               else "the engine was shut down")
+        if failure is not None:
+            dead.__cause__ = failure
+        for rid, stream in streams:
+            self._streams[rid] = stream  # _deliver pops it again
+            self._deliver(rid, dead)
+        while True:  # resolve commands nobody will run, so no caller of abort()/barrier() hangs
+            try:
+                _, _, done = self._inbox.get_nowait()
+            except queue.Empty:
+                break
+            if done is not None:
+                done.set_result(None)

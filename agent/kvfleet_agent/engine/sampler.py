@@ -80,7 +80,7 @@ def _cut(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Te
     vocab = logits.shape[-1]
     sorted_logits, order = logits.sort(dim=-1, descending=True)
     ranks = torch.arange(vocab, device=logits.device)
-    k = torch.tensor([k if k > 0 else vocab for k in top_k], device=logits.device)
+    k = torch.tensor([min(k, vocab) if k > 0 else vocab for k in top_k], device=logits.device)
     drop = ranks[None, :] >= k[:, None]
     probs = torch.softmax(sorted_logits.masked_fill(drop, float("-inf")), dim=-1)
     before = probs.cumsum(dim=-1) - probs  # mass strictly above each token: the top token is always kept

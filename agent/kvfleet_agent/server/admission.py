@@ -30,14 +30,14 @@ class Admission:
     draining: bool = False
     rejected: dict[str, int] = field(default_factory=lambda: {r.value: 0 for r in Refusal})
 
-    def check(self) -> Refusal | None:
-        """None to accept, else the reason to refuse (and the refusal is counted)."""
+    def check(self, n: int = 1) -> Refusal | None:
+        """None to accept n more requests, else the reason to refuse (and the refusal is counted)."""
         reason = None
         if not self.llm.is_alive:
             reason = Refusal.ENGINE_DEAD
         elif self.draining:
             reason = Refusal.DRAINING
-        elif self.llm.num_waiting() >= self.max_queue_length:
+        elif self.llm.num_waiting() + n > self.max_queue_length:
             reason = Refusal.QUEUE_FULL
         if reason is not None:
             self.rejected[reason.value] += 1

@@ -86,7 +86,7 @@ class HTTPFrontend:
             body = await request.json()
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise APIError(f"the request body is not valid JSON: {e}") from None
-        req, messages = protocol.parse(body, self.model, chat)
+        req, messages = protocol.parse(body, self.model, chat, self.llm.engine.max_model_len)
         if chat:
             tokenizer = self.llm.engine.tokenizer
             if tokenizer is None:
@@ -96,7 +96,7 @@ class HTTPFrontend:
                 req.prompts = [tokenizer.apply_chat_template(messages or [])]
             except ValueError as e:
                 raise APIError(str(e), "messages") from None
-        refusal = self.admission.check()
+        refusal = self.admission.check(len(req.prompts))
         if refusal is Refusal.QUEUE_FULL:
             raise APIError("the server's queue is full; retry after the Retry-After delay", status=429,
                            type_="rate_limit_error", code="queue_full")
@@ -121,7 +121,12 @@ class HTTPFrontend:
                 self.idle.set()
 
     async def _whole(self, rid: str, streams: list[Stream], req: protocol.GenerateRequest) -> web.Response:
-        finals = await asyncio.gather(*(_last(s) for s in streams))
+        # Wait for every prompt even if one fails, so no task is left behind; then report the first error.
+        results = await asyncio.gather(*(_last(s) for s in streams), return_exceptions=True)
+        for r in results:
+            if isinstance(r, BaseException):
+                raise r
+        finals = [r for r in results if isinstance(r, RequestOutput)]
         decode = self._decoder()
         choices = [protocol.choice(i, out, req.chat, decode) for i, out in enumerate(finals)]
         return web.json_response(protocol.envelope(rid, self.model, req.chat, choices, False,
@@ -137,11 +142,15 @@ class HTTPFrontend:
         item = first
         try:
             await self._pump(resp, rid, req, merged, item, finals)
-        except EngineDeadError:  # headers are out: say so in the stream, then end it
-            await _send(resp, APIError("the engine failed mid-stream", status=503, type_="server_error").body())
+        except Exception as e:  # headers are out: report it inside the stream, then end the stream properly
+            if not isinstance(e, EngineDeadError):
+                log.exception("error while streaming %s", rid)
+            await _send(resp, APIError("the engine failed mid-stream" if isinstance(e, EngineDeadError) else
+                                       "internal error mid-stream; the server logged it", status=503,
+                                       type_="server_error").body())
         if req.include_usage and finals:
             await _send(resp, protocol.envelope(rid, self.model, req.chat, [], True,
-                                                protocol.usage([finals[i] for i in sorted(finals)])))
+                                                protocol.usage([finals[i] for i in sorted(finals)]), req.created))
         await resp.write(b"data: [DONE]\n\n")
         await resp.write_eof()
         return resp
@@ -152,15 +161,18 @@ class HTTPFrontend:
         decode = self._decoder()
         sent_text = [0] * len(req.prompts)
         sent_lp = [0] * len(req.prompts)
+        sent_role = [not req.chat] * len(req.prompts)  # chat streams name the role once, in the first delta
         while item is not None:
             i, out = item
             c = out.outputs[0]
             delta = c.text[sent_text[i]:]
             piece = protocol.choice(i, out, req.chat, decode, text=delta, logprob_start=sent_lp[i], delta=True,
-                                    first=sent_text[i] == 0 and req.chat)
+                                    first=not sent_role[i])
+            new_lp = len(c.logprobs or []) > sent_lp[i]
             sent_text[i], sent_lp[i] = len(c.text), len(c.logprobs or [])
-            if delta or out.finished or c.logprobs:
-                await _send(resp, protocol.envelope(rid, self.model, req.chat, [piece], True))
+            if delta or out.finished or new_lp:
+                sent_role[i] = True
+                await _send(resp, protocol.envelope(rid, self.model, req.chat, [piece], True, created=req.created))
             if out.finished:
                 finals[i] = out
             item = await anext(merged, None)

@@ -41,7 +41,7 @@ async def serve(engine_config: EngineConfig, opts: ServeOptions) -> int:
     metrics = AgentMetrics(llm, admission, opts.served_model_name)
     http = HTTPFrontend(llm, admission, metrics, opts.served_model_name)
     # handler_cancellation: a client that hangs up cancels its handler, which aborts its request.
-    runner = web.AppRunner(http.app(), handler_cancellation=True, access_log=None)
+    runner = web.AppRunner(http.app(), handler_cancellation=True, access_log=None, shutdown_timeout=5.0)
     await runner.setup()
     site = web.TCPSite(runner, opts.host, opts.port)
     await site.start()
@@ -61,14 +61,16 @@ async def serve(engine_config: EngineConfig, opts: ServeOptions) -> int:
         loop.add_signal_handler(sig, stop.set)
     watchdog = asyncio.create_task(_watch_engine(llm, stop))
     await stop.wait()
-    code = 0 if llm.is_alive else 1
-    if code == 0:
+    if llm.is_alive:
         await _drain(llm, admission, http, opts.drain_grace_period_s)
     watchdog.cancel()
+    # Whatever is still running after the grace period is aborted now: its streams end with an
+    # abort chunk and [DONE] instead of holding the process past the pod's termination grace.
+    await loop.run_in_executor(None, llm.shutdown)
     if grpc_server is not None:
         await grpc_server.stop(grace=1.0)
     await runner.cleanup()
-    llm.shutdown()
+    code = 0 if llm.error is None else 1  # after the drain: an engine that died meanwhile is a failure
     log.info("kvfleet-agent stopped (exit %d)", code)
     return code
 

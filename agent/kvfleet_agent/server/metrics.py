@@ -60,8 +60,8 @@ class AgentMetrics(Collector):
         """Record end-to-end latency and queue time of a finished request."""
         _, _, e2e, queue = self._children
         e2e.observe(now - req.arrival_time)
-        scheduled = req.first_scheduled_time if req.first_scheduled_time is not None else now
-        queue.observe(scheduled - req.arrival_time)
+        if req.first_scheduled_time is not None:  # aborted while waiting: it never left the queue
+            queue.observe(req.first_scheduled_time - req.arrival_time)
 
     # -- Collector (scrape) -----------------------------------------------------------------------
 

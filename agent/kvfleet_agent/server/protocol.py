@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from kvfleet_agent.outputs import CompletionOutput, RequestOutput
@@ -33,6 +33,7 @@ class GenerateRequest:
     stream: bool
     include_usage: bool
     chat: bool
+    created: int = field(default_factory=lambda: int(time.time()))  # one timestamp for every chunk
 
 
 # Fields OpenAI defines that we accept but cannot honour: refuse them when set to a non-default.
@@ -58,8 +59,12 @@ def _kind_name(kinds: type | tuple[type, ...]) -> str:
     return " or ".join(dict.fromkeys(names.get(k, k.__name__) for k in seq))
 
 
-def parse(body: Any, served_model: str, chat: bool) -> tuple[GenerateRequest, list[dict[str, str]] | None]:
-    """Validate a /v1/completions or /v1/chat/completions body; returns the request and chat messages."""
+def parse(body: Any, served_model: str, chat: bool, max_model_len: int
+          ) -> tuple[GenerateRequest, list[dict[str, str]] | None]:
+    """Validate a /v1/completions or /v1/chat/completions body; returns the request and chat messages.
+
+    max_tokens defaults to 16 for completions (as OpenAI) and, for chat, to the rest of the context.
+    """
     if not isinstance(body, dict):
         raise APIError("the request body must be a JSON object")
     model = _get(body, "model", str, served_model)
@@ -80,7 +85,8 @@ def parse(body: Any, served_model: str, chat: bool) -> tuple[GenerateRequest, li
     else:
         prompts = _prompts(body)
     max_tokens = _get(body, "max_completion_tokens", int, None) if chat else None
-    max_tokens = max_tokens if max_tokens is not None else _get(body, "max_tokens", int, 16)
+    max_tokens = max_tokens if max_tokens is not None else _get(body, "max_tokens", int,
+                                                                max_model_len if chat else 16)
     stop = _get(body, "stop", (str, list), [])
     stop = [stop] if isinstance(stop, str) else stop
     if any(not isinstance(s, str) for s in stop):
@@ -191,10 +197,10 @@ def choice(index: int, out: RequestOutput, chat: bool, decode: Any, text: str | 
 
 
 def envelope(rid: str, model: str, chat: bool, choices: list[dict[str, Any]], stream: bool,
-             usage_: dict[str, int] | None = None) -> dict[str, Any]:
-    """The response object around a list of choices."""
+             usage_: dict[str, int] | None = None, created: int | None = None) -> dict[str, Any]:
+    """The response object around a list of choices (`created` fixed per response, as OpenAI's)."""
     kind = ("chat.completion.chunk" if stream else "chat.completion") if chat else "text_completion"
-    body: dict[str, Any] = {"id": rid, "object": kind, "created": int(time.time()), "model": model,
+    body: dict[str, Any] = {"id": rid, "object": kind, "created": created or int(time.time()), "model": model,
                             "choices": choices}
     if usage_ is not None:
         body["usage"] = usage_

@@ -1,0 +1,93 @@
+"""AsyncLLM under failure: a dead engine, a reused request id, an interrupted offline generate."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvfleet_agent.engine.async_llm import AsyncLLM, EngineDeadError
+from kvfleet_agent.llm import LLM
+from kvfleet_agent.sampling_params import SamplingParams
+
+OPTIONS: dict[str, Any] = {"max_num_seqs": 8, "kv_cache_memory_bytes": 4 << 20}
+LONG = SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True)
+
+
+def _fail_after(llm: AsyncLLM | LLM, steps: int, exc: BaseException) -> None:
+    """Fault injection: the engine's step raises after `steps` good steps."""
+    engine = llm.engine
+    real = engine.step
+    count = [0]
+
+    def step() -> Any:
+        count[0] += 1
+        if count[0] > steps:
+            raise exc
+        return real()
+
+    engine.step = step  # type: ignore[method-assign]
+
+
+def test_engine_death_reaches_every_consumer_as_engine_dead_and_nothing_hangs(ckpt: Path) -> None:
+    llm = AsyncLLM.from_options(str(ckpt), **OPTIONS)
+
+    async def body() -> None:
+        streams = [llm.generate([1, 30 + i, 40], LONG) for i in range(3)]
+        first = [await anext(s) for s in streams]  # all three are generating
+        assert all(not o.finished for o in first)
+        _fail_after(llm, 0, RuntimeError("simulated device fault"))
+        for s in streams:
+            with pytest.raises(EngineDeadError):  # never a ValueError: clients must not see "bad input"
+                async for _ in s:
+                    pass
+        assert not llm.is_alive and isinstance(llm.error, RuntimeError)
+        await asyncio.wait_for(llm.abort("anything"), 5)  # returns instead of hanging on a dead inbox
+        await asyncio.wait_for(llm.barrier(), 5)
+        with pytest.raises(EngineDeadError):
+            llm.generate([1, 2, 3], LONG)
+
+    try:
+        asyncio.run(asyncio.wait_for(body(), 60))
+    finally:
+        llm.shutdown()
+
+
+def test_a_request_id_is_free_again_only_after_its_abort_lands(ckpt: Path) -> None:
+    llm = AsyncLLM.from_options(str(ckpt), **OPTIONS)
+
+    async def body() -> None:
+        old = llm.generate([1, 5, 6, 7], LONG, request_id="X")
+        await anext(old)
+        await old.aclose()  # the consumer leaves; the abort is on its way to the engine thread
+        with pytest.raises(ValueError, match="already in use"):
+            llm.generate([1, 8, 9], LONG, request_id="X")  # not yet: the old request still holds the id
+        await llm.barrier()
+        new = llm.generate([1, 8, 9], SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True),
+                           request_id="X")
+        outs = [o async for o in new]
+        assert outs[-1].prompt_token_ids == [1, 8, 9]  # its own outputs, not the old request's abort
+        assert outs[-1].outputs[0].finish_reason == "length" and len(outs[-1].outputs[0].token_ids) == 5
+        await llm.barrier()
+        assert llm.engine.kv.pool.num_free == llm.engine.kv.pool.num_blocks
+
+    try:
+        asyncio.run(asyncio.wait_for(body(), 60))
+    finally:
+        llm.shutdown()
+
+
+def test_interrupted_offline_generate_leaves_the_engine_ready_for_the_next_call(ckpt: Path) -> None:
+    llm = LLM(model=str(ckpt), **OPTIONS)
+    real_step = llm.engine.step
+    _fail_after(llm, 2, KeyboardInterrupt())
+    with pytest.raises(KeyboardInterrupt):
+        llm.generate([{"prompt_token_ids": [1, 10 + i]} for i in range(4)], LONG, use_tqdm=False)
+    assert not llm.engine.has_unfinished()
+    assert llm.engine.kv.pool.num_free == llm.engine.kv.pool.num_blocks
+    llm.engine.step = real_step  # type: ignore[method-assign]
+    outs = llm.generate([{"prompt_token_ids": [1, 99]}], SamplingParams(max_tokens=3, temperature=0),
+                        use_tqdm=False)
+    assert len(outs[0].outputs[0].token_ids) == 3
