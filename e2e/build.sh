@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Builds kube-apiserver, kube-controller-manager, kube-scheduler, etcd and kwok from the Go module proxy into a version-keyed cache outside the repo; prints the bin dir on the last line.
+# Builds kube-apiserver, kube-controller-manager, kube-scheduler, kubectl, etcd and kwok from the Go module proxy into a version-keyed cache outside the repo; prints the bin dir on the last line.
 #
 # Usage:   BIN=$(e2e/build.sh | tail -1)
 # Env:     K8S_VERSION ETCD_VERSION KWOK_VERSION  versions to build (defaults below)
@@ -7,6 +7,7 @@
 #          BUILD_JOBS      go build -p value (default 2: the dev box has 2 cores and a
 #                          kube-apiserver link alone needs ~2 GiB RSS)
 #          FORCE=1         rebuild even if the binaries are already there
+#          CHECK_ONLY=1    never build: print the bin dir if all binaries are there, else exit 3
 # Output:  progress and Go's own output on stderr; the summary and, last, the bin dir on stdout.
 # Needs:   go >= 1.26 (etcd v3.5.35 and kwok v0.8.0 declare `go 1.26.0`), network access
 #          to GOPROXY only. No Docker, no sudo, no cgo.
@@ -22,23 +23,33 @@ CACHE_ROOT=${KVFLEET_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/kvfleet}
 DEST="$CACHE_ROOT/k8s/${K8S_VERSION}-etcd${ETCD_VERSION}-kwok${KWOK_VERSION}"
 BIN="$DEST/bin"
 WORK="$DEST/work"   # generated wrapper modules live here, never in the repo
-BINARIES=(kube-apiserver kube-controller-manager kube-scheduler etcd kwok)
+BINARIES=(kube-apiserver kube-controller-manager kube-scheduler kubectl etcd kwok)
+K8S_CMDS=(kube-apiserver kube-controller-manager kube-scheduler kubectl)
 
 log() { printf '[build.sh %s] %s\n' "$(date +%H:%M:%S)" "$*" >&2; }
 die() { log "ERROR: $*"; exit 1; }
 
 # Does binary $1 exist and answer a version query? kwok has `--version` (cobra) and a
-# `version` subcommand depending on release, so accept either.
+# `version` subcommand depending on release, so accept either. kubectl has no `--version`
+# flag; `version --client` never contacts a server (KUBECONFIG is pointed at nothing anyway).
+version_cmd() {
+    case $1 in
+        kubectl) echo "version --client" ;;
+        *) echo "--version" ;;
+    esac
+}
 answers_version() {
     local b="$BIN/$1"
     [[ -x "$b" ]] || return 1
-    timeout 30 "$b" --version >/dev/null 2>&1 && return 0
+    # shellcheck disable=SC2046
+    KUBECONFIG=/dev/null timeout 30 "$b" $(version_cmd "$1") >/dev/null 2>&1 && return 0
     [[ "$1" == kwok ]] && timeout 30 "$b" version >/dev/null 2>&1 && return 0
     return 1
 }
 version_of() {
     local b="$BIN/$1" out
-    out=$(timeout 30 "$b" --version 2>&1) || { [[ "$1" == kwok ]] && out=$(timeout 30 "$b" version 2>&1); } || out="(no version output)"
+    # shellcheck disable=SC2046
+    out=$(KUBECONFIG=/dev/null timeout 30 "$b" $(version_cmd "$1") 2>&1) || { [[ "$1" == kwok ]] && out=$(timeout 30 "$b" version 2>&1); } || out="(no version output)"
     printf '%s' "$out"
 }
 all_present() {
@@ -47,9 +58,13 @@ all_present() {
 }
 
 # Fast path first, before touching Go at all: callers run this on every test session.
-if [[ "$FORCE" != 1 ]] && all_present; then
+if [[ "$FORCE" != 1 || "${CHECK_ONLY:-0}" == 1 ]] && all_present; then
     echo "$BIN"
     exit 0
+fi
+if [[ "${CHECK_ONLY:-0}" == 1 ]]; then
+    log "not built (or incomplete): $BIN; run e2e/build.sh without CHECK_ONLY"
+    exit 3
 fi
 
 command -v go >/dev/null || die "go is not on PATH (need go >= 1.26)"
@@ -138,7 +153,7 @@ k8s_prepare() {
         echo
         # `tool` lines (go >= 1.24) keep the cmd packages' deps in go.mod through tidy.
         echo "tool ("
-        for m in kube-apiserver kube-controller-manager kube-scheduler; do echo "	k8s.io/kubernetes/cmd/$m"; done
+        for m in "${K8S_CMDS[@]}"; do echo "	k8s.io/kubernetes/cmd/$m"; done
         echo ")"
     } >"$K8S_WRAP/go.mod"
     (cd "$K8S_WRAP" && go mod tidy)
@@ -208,10 +223,12 @@ T_ALL=$(date +%s)
 # file and renames, so a present binary is a complete one, and the dir is version-keyed.
 need() { [[ "$FORCE" == 1 ]] || ! answers_version "$1"; }
 
-if need kube-apiserver || need kube-controller-manager || need kube-scheduler; then
+k8s_needed=0
+for b in "${K8S_CMDS[@]}"; do need "$b" && k8s_needed=1; done
+if (( k8s_needed )); then
     run_step "k8s: generate wrapper + go mod tidy (downloads)" k8s_prepare
     K8S_LDFLAGS=$(k8s_ldflags)
-    for b in kube-apiserver kube-controller-manager kube-scheduler; do
+    for b in "${K8S_CMDS[@]}"; do
         if need "$b"; then run_step "k8s: build $b" k8s_build "$b"; else log "$b: present, skipped"; fi
     done
 fi
