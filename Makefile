@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | sha256sum | cut -c1-12)
 
-.PHONY: setup demo test lint unit bench clean
+.PHONY: setup demo test lint unit bench cluster-up cluster-down clean
 
 setup: $(STAMP)
 
@@ -29,6 +29,15 @@ test: lint unit
 
 bench: setup
 	$(PY) ../shared/bench/compare_throughput.py
+
+# A local Kubernetes control plane with fake GPU nodes (binaries built once from the Go module proxy).
+CLUSTER_DIR ?= /tmp/kvfleet-cluster
+cluster-up: setup
+	bash e2e/build.sh >/dev/null
+	$(PY) e2e/cluster.py up --run-dir $(CLUSTER_DIR)
+
+cluster-down:
+	$(PY) e2e/cluster.py down --run-dir $(CLUSTER_DIR)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis
