@@ -20,43 +20,18 @@ import aiohttp
 
 from kvfleet_agent.bench.report import RequestRecord, Slo, format_table, summarize, write_plot
 from kvfleet_agent.bench.runner import RunOutcome, run_load
-from kvfleet_agent.bench.sse import SSEEvent, SSEParser, StreamState
+from kvfleet_agent.bench.sse import SSEParser, StreamState
 from kvfleet_agent.bench.workload import (
-    WORDS,
     LengthDist,
     RequestSpec,
-    arrival_schedule,
     file_requests,
     load_prompt_file,
-    poisson_arrivals,
     synthetic_requests,
 )
 
-__all__ = [
-    "WORDS",
-    "BenchConfig",
-    "BenchResult",
-    "HttpSender",
-    "LengthDist",
-    "RequestRecord",
-    "RequestSpec",
-    "RunOutcome",
-    "SSEEvent",
-    "SSEParser",
-    "Slo",
-    "StreamState",
-    "add_arguments",
-    "arrival_schedule",
-    "config_from_args",
-    "file_requests",
-    "load_prompt_file",
-    "main",
-    "parse_retry_after",
-    "poisson_arrivals",
-    "run_benchmark",
-    "run_load",
-    "synthetic_requests",
-]
+# The workload, SSE, runner and report pieces live in their own modules.
+__all__ = ["BenchConfig", "BenchResult", "HttpSender", "add_arguments", "config_from_args", "discover_model", "main",
+           "normalize_url", "parse_retry_after", "run_benchmark"]
 
 
 # ----------------------------------------------------------------------------------------------------------------
