@@ -114,15 +114,16 @@ def _delegated(run_dir: Path, name: str) -> list[str]:
     return [f"--kubeconfig={kc}", f"--authentication-kubeconfig={kc}", f"--authorization-kubeconfig={kc}"]
 
 
+def _control_component(bin_dir: Path, run_dir: Path, pki: _Pki, name: str, port: int) -> list[str]:
+    """What the controller-manager and the scheduler share: binary, kubeconfigs, serving on loopback."""
+    return [str(bin_dir / name), *_delegated(run_dir, name), "--leader-elect=false", "--bind-address=127.0.0.1",
+            f"--secure-port={port}", *_serving(pki), "--profiling=false"]
+
+
 def controller_manager_argv(bin_dir: Path, run_dir: Path, pki: _Pki, ports: dict[str, int]) -> list[str]:
     """kube-controller-manager: SA credentials per controller, and pki's CA as the CSR signer."""
     return [
-        str(bin_dir / "kube-controller-manager"),
-        *_delegated(run_dir, "kube-controller-manager"),
-        "--leader-elect=false",
-        "--bind-address=127.0.0.1",
-        f"--secure-port={ports['kcm']}",
-        *_serving(pki),
+        *_control_component(bin_dir, run_dir, pki, "kube-controller-manager", ports["kcm"]),
         f"--service-account-private-key-file={pki.sa_key}",
         f"--root-ca-file={pki.ca_crt}",
         "--use-service-account-credentials=true",
@@ -133,21 +134,12 @@ def controller_manager_argv(bin_dir: Path, run_dir: Path, pki: _Pki, ports: dict
         "--cluster-name=kvfleet-e2e",
         "--kube-api-qps=100",
         "--kube-api-burst=200",
-        "--profiling=false",
     ]
 
 
 def scheduler_argv(bin_dir: Path, run_dir: Path, pki: _Pki, ports: dict[str, int]) -> list[str]:
     """kube-scheduler with the default profile."""
-    return [
-        str(bin_dir / "kube-scheduler"),
-        *_delegated(run_dir, "kube-scheduler"),
-        "--leader-elect=false",
-        "--bind-address=127.0.0.1",
-        f"--secure-port={ports['scheduler']}",
-        *_serving(pki),
-        "--profiling=false",
-    ]
+    return _control_component(bin_dir, run_dir, pki, "kube-scheduler", ports["scheduler"])
 
 
 def kwok_argv(bin_dir: Path, run_dir: Path, ports: dict[str, int]) -> list[str]:

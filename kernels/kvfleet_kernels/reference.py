@@ -60,20 +60,24 @@ def decode_plan(block_tables: torch.Tensor, seq_lens: torch.Tensor, block_size: 
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
-                           max_seq_len: int | None = None,
-                           plan: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                           max_seq_len: int | None = None) -> torch.Tensor:
     """One query token per sequence attending to its whole cached context.
 
     q [B, H, D]; seq_lens [B] tokens in context (the query's own K/V already written); returns [B, H, D].
-    `plan` is decode_plan(...) of these arguments, when the caller already has it.
     """
+    flat, valid = decode_plan(block_tables, seq_lens, k_cache.shape[1], max_seq_len)
+    return planned_decode_attention(q, k_cache, v_cache, flat, valid, scale)
+
+
+def planned_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                             flat_block_index: torch.Tensor, valid: torch.Tensor, scale: float) -> torch.Tensor:
+    """paged_decode_attention given its decode_plan, which a model computes once per step for every layer."""
     b, h, d = q.shape
-    flat, valid = plan if plan is not None else decode_plan(block_tables, seq_lens, k_cache.shape[1], max_seq_len)
     length = valid.shape[1]
     # [B * nb, bs, KVH, D] -> [B, KVH, L, D]: padded to the longest context, the padding masked out.
     # index_select over a flat, contiguous index: several times faster on CPU than tensor indexing.
-    k = k_cache.index_select(0, flat).view(b, length, *k_cache.shape[2:]).transpose(1, 2)
-    v = v_cache.index_select(0, flat).view(b, length, *v_cache.shape[2:]).transpose(1, 2)
+    k = k_cache.index_select(0, flat_block_index).view(b, length, *k_cache.shape[2:]).transpose(1, 2)
+    v = v_cache.index_select(0, flat_block_index).view(b, length, *v_cache.shape[2:]).transpose(1, 2)
     out = F.scaled_dot_product_attention(q.view(b, h, 1, d), k, v, attn_mask=valid[:, None, None, :],
                                          scale=scale, enable_gqa=True)
     return out.view(b, h, d)

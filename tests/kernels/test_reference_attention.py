@@ -216,9 +216,6 @@ def test_paged_attention_layer_mixed_batch_matches_dense() -> None:
     decode_tables, decode_lens = padded_tables(tables[:2], num_blocks, g), torch.tensor(lengths[:2])
     meta = AttentionMetadata(
         slot_mapping=slot_mapping,
-        num_decodes=2,
-        decode_block_tables=decode_tables,
-        decode_seq_lens=decode_lens,
         decode_groups=[DecodeGroup(0, 2, *reference.decode_plan(decode_tables, decode_lens, bs))],
         prefills=[PrefillSpan(2, 6, 0, tables[2]), PrefillSpan(8, 5, 12, tables[3])],
     )

@@ -50,7 +50,6 @@ class EngineCounters:
 
     prompt_tokens: int = 0
     generation_tokens: int = 0
-    steps: int = 0
     finished: dict[str, int] = field(default_factory=lambda: {"stop": 0, "length": 0, "abort": 0})
     last_step_time: float = 0.0
 
@@ -186,7 +185,6 @@ class LLMEngine:
         tokens, logprobs = self.runner.execute(plan)
         advanced = self.scheduler.update(plan, tokens)
         now = time.monotonic()
-        self.counters.steps += 1
         self.counters.last_step_time = time.time()
         self.counters.generation_tokens += len(advanced)
         out = []

@@ -163,9 +163,6 @@ class ModelRunner:
         dev = self.device
         meta = AttentionMetadata(
             slot_mapping=torch.from_numpy(np.concatenate(slot_parts)).to(dev),
-            num_decodes=nd,
-            decode_block_tables=torch.from_numpy(tables).to(dev),
-            decode_seq_lens=torch.from_numpy(d_pos + 1).to(dev),
             decode_groups=self._decode_groups(tables, d_pos),
             prefills=spans,
         )

@@ -35,9 +35,6 @@ class AttentionMetadata:
     """Where every token of a step sits in the KV cache. Decodes come first in the batch."""
 
     slot_mapping: torch.Tensor  # [T]
-    num_decodes: int
-    decode_block_tables: torch.Tensor  # [num_decodes, max_blocks]
-    decode_seq_lens: torch.Tensor  # [num_decodes], context length including the new token
     # Decodes attend in groups of similar length (sorted by the runner): each group pads only to
     # its own longest context, and its gathered K/V stays small enough to live in cache.
     decode_groups: list[DecodeGroup]
@@ -59,9 +56,8 @@ class PagedAttention(nn.Module):
         reference.write_kv(self.k_cache, self.v_cache, k, v, meta.slot_mapping)
         out = torch.empty_like(q)
         for g in meta.decode_groups:
-            out[g.start:g.end] = reference.paged_decode_attention(
-                q[g.start:g.end], self.k_cache, self.v_cache, meta.decode_block_tables[g.start:g.end],
-                meta.decode_seq_lens[g.start:g.end], self.scale, plan=(g.flat_block_index, g.valid))
+            out[g.start:g.end] = reference.planned_decode_attention(
+                q[g.start:g.end], self.k_cache, self.v_cache, g.flat_block_index, g.valid, self.scale)
         for p in meta.prefills:
             span = slice(p.query_start, p.query_start + p.query_len)
             if p.context_start == 0:  # nothing cached before the chunk: attend to its fresh K/V directly
