@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
@@ -21,6 +22,8 @@ from typing import Any
 # e2e/ is not a package: these sibling modules are found because e2e/ is on sys.path.
 import components
 import gpu_nodes
+import netns
+import pod_network
 from components import BUILD_SH, KUBERNETES_SERVICE_IP, find_bin_dir
 from errors import ApiError, ClusterError
 from gpu_nodes import GPU_LABEL, GPU_RESOURCE, GPU_TAINT, GPU_TOLERATION, NODE_PREFIX
@@ -69,6 +72,7 @@ class LocalCluster:
         self.timings: dict[str, float] = {}
         self.pki = _Pki(self.run_dir / "pki")
         self._ssl: ssl.SSLContext | None = None
+        self.netns_pid: int | None = None  # holder of the pod network namespace
 
     # -- paths and environment
 
@@ -149,6 +153,7 @@ class LocalCluster:
             self._phase("kube-apiserver", lambda: self._start_apiserver(bin_dir))
             self._phase("controllers", lambda: self._start_controllers(bin_dir))
             self._phase("gpu nodes", self._register_nodes)
+            self._phase("pod network + process kubelet", self._start_pod_network)
             self._phase("default serviceaccount", self._wait_default_sa)
         except ClusterError as exc:
             self._stop_procs()
@@ -186,9 +191,10 @@ class LocalCluster:
     def _write_kwok_config(self) -> None:
         gpu_nodes.write_kwok_config(self.run_dir / "kwok.yaml", self.bin_dir / "kwok")
 
-    def _spawn(self, name: str, argv: list[str]) -> Proc:
+    def _spawn(self, name: str, argv: list[str], record_argv: list[str] | None = None,
+               env: dict[str, str] | None = None) -> Proc:
         """Start one component with its output in logs/NAME.log and record its pid."""
-        proc = spawn(self.run_dir, name, argv)
+        proc = spawn(self.run_dir, name, argv, env, record_argv)
         self.procs.append(proc)
         write_pids(self.run_dir / "pids.json", self.procs)
         return proc
@@ -196,7 +202,7 @@ class LocalCluster:
     def _write_state(self) -> None:
         state = {"server": self.server if self.ports else None, "kubeconfig": str(self.kubeconfig),
                  "bin_dir": str(self.bin_dir), "ports": self.ports, "timings_s": self.timings,
-                 "nodes": self.node_names}
+                 "nodes": self.node_names, "netns_pid": self.netns_pid}
         (self.run_dir / "cluster.json").write_text(json.dumps(state, indent=1) + "\n")
 
     def _wait(self, what: str, proc: Proc, check: Callable[[], bool], timeout: float | None = None) -> None:
@@ -226,6 +232,47 @@ class LocalCluster:
         """KCM/scheduler /healthz over TLS (their serving cert is from our CA); anonymous access is allowed."""
         ctx = ssl.create_default_context(cafile=str(self.pki.ca_crt))
         return _http_get(f"https://127.0.0.1:{port}/healthz", ctx) == "ok"
+
+    def _start_pod_network(self) -> None:
+        def spawn_fn(name: str, argv: list[str], record: list[str], env: dict[str, str] | None) -> Proc:
+            return self._spawn(name, argv, record, env)
+
+        _, holder, _ = pod_network.start(self.run_dir, self.ports["apiserver"], spawn_fn, self.timeout)
+        self.netns_pid = holder.pid
+
+    # -- the pod network, from the host
+
+    def exec_in_pod_network(self, *argv: str, timeout: float = 60.0) -> subprocess.CompletedProcess[str]:
+        """Run a command where pod IPs are reachable (e.g. `curl http://POD_IP:8000/ready`)."""
+        return pod_network.exec_inside(self._holder_pid(), argv, timeout)
+
+    def spawn_in_pod_network(self, name: str, argv: list[str], env: dict[str, str] | None = None) -> Proc:
+        """Start a long-running process (e.g. the operator) in the pod network, stopped with the cluster."""
+        return self._spawn(name, netns.nsenter_argv(self._holder_pid(), argv), argv, env)
+
+    def port_forward(self, ip: str, port: int) -> contextlib.AbstractContextManager[int]:
+        """with cluster.port_forward(pod_ip, 8000) as local_port: ... (a loopback port on the host)."""
+        return pod_network.forward(self.run_dir, f"{ip}:{port}")
+
+    def agent_processes(self) -> dict[str, dict[str, Any]]:
+        """The process kubelet's running agents: pod uid → {pod, pid, ip}."""
+        try:
+            result: dict[str, dict[str, Any]] = json.loads((self.run_dir / "kubelet-pods.json").read_text())
+        except (OSError, ValueError):
+            return {}
+        return result
+
+    def pvc_dir(self, namespace: str, claim: str) -> Path:
+        """The directory the process kubelet mounts for PersistentVolumeClaim `claim` in namespace."""
+        return self.run_dir / "pvc" / namespace / claim
+
+    def _holder_pid(self) -> int:
+        if self.netns_pid is None:
+            state = json.loads((self.run_dir / "cluster.json").read_text())
+            self.netns_pid = state.get("netns_pid")
+        if self.netns_pid is None:
+            raise ClusterError("the pod network is not up")
+        return int(self.netns_pid)
 
     def node_manifest(self, name: str) -> dict[str, Any]:
         """A fake GPU node: kwok-managed, labelled and tainted for GPUs, with nvidia.com/gpu capacity."""

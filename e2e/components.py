@@ -7,7 +7,8 @@ import subprocess
 from pathlib import Path
 
 from errors import ClusterError
-from gpu_nodes import KWOK_ANNOTATION_KEY, KWOK_ANNOTATION_VALUE, NODE_IP, POD_CIDR
+from gpu_nodes import KWOK_ANNOTATION_KEY, KWOK_ANNOTATION_VALUE, NODE_IP
+from netns import KWOK_POD_CIDR
 from pki import _Pki
 
 E2E_DIR = Path(__file__).resolve().parent
@@ -149,7 +150,7 @@ def kwok_argv(bin_dir: Path, run_dir: Path, ports: dict[str, int]) -> list[str]:
         f"--kubeconfig={run_dir / 'kwok.kubeconfig'}",
         f"--config={run_dir / 'kwok.yaml'}",
         f"--manage-nodes-with-annotation-selector={KWOK_ANNOTATION_KEY}={KWOK_ANNOTATION_VALUE}",
-        f"--cidr={POD_CIDR}",
+        f"--cidr={KWOK_POD_CIDR}",
         f"--node-ip={NODE_IP}",
         f"--server-address=127.0.0.1:{ports['kwok']}",
         # kwok's own default is 0 = no node leases; then KCM marks the nodes NotReady after its grace

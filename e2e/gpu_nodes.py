@@ -21,7 +21,9 @@ GPU_TAINT: dict[str, str] = {"key": "nvidia.com/gpu", "value": "present", "effec
 GPU_TOLERATION: dict[str, str] = {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}
 NODE_PREFIX = "kvfleet-gpu-"
 
-POD_CIDR = "10.250.0.1/16"  # kwok hands out pod IPs sequentially from this address
+# kwok leaves pods that run the agent to the process kubelet (kubelet.py): its pod stages get this
+# extra selector (a jq query over the pod: the first word of each container's command).
+AGENT_POD_EXCLUSION = {"key": ".spec.containers.[].command.[0]", "operator": "NotIn", "values": ["kvfleet-agent"]}
 NODE_IP = "10.249.0.1"  # InternalIP kwok reports for every fake node
 
 # kwok v0.8 has no built-in stages; these are the files kwokctl uses by default, read from the
@@ -107,6 +109,17 @@ def kwok_module_dir(kwok: Path) -> Path:
         ) from exc
 
 
+def _with_agent_exclusion(stage: str) -> str:
+    """A kwok pod stage that no longer matches agent pods (the YAML edited as text: no YAML parser here)."""
+    anchor = "    matchExpressions:\n"
+    if anchor not in stage:
+        raise ClusterError(f"kwok pod stage without a matchExpressions list; cannot exclude agent pods:\n{stage}")
+    rule = AGENT_POD_EXCLUSION
+    values = "".join(f"      - {v!r}\n" for v in rule["values"])
+    lines = f"    - key: {rule['key']!r}\n      operator: {rule['operator']!r}\n      values:\n{values}"
+    return stage.replace(anchor, anchor + lines, 1)
+
+
 def write_kwok_config(path: Path, kwok: Path) -> None:
     """kwok's config at path: the default kwokctl stages, from the module matching the kwok binary."""
     mod = kwok_module_dir(kwok)
@@ -115,5 +128,8 @@ def write_kwok_config(path: Path, kwok: Path) -> None:
         src = mod / rel
         if not src.is_file():
             raise ClusterError(f"kwok stage file missing: {src}")
-        docs.append(src.read_text().strip())
+        text = src.read_text().strip()
+        if "/pod/" in rel:
+            text = _with_agent_exclusion(text)
+        docs.append(text)
     path.write_text("\n---\n".join(docs) + "\n")

@@ -80,16 +80,21 @@ class Proc:
         return pid_runs(self.pid, self.argv[0])
 
 
-def spawn(run_dir: Path, name: str, argv: list[str]) -> Proc:
-    """Start one component in run_dir with its output in run_dir/logs/NAME.log."""
+def spawn(run_dir: Path, name: str, argv: list[str], env: dict[str, str] | None = None,
+          record_argv: list[str] | None = None) -> Proc:
+    """Start one component in run_dir with its output in run_dir/logs/NAME.log.
+
+    record_argv is what the process runs once a wrapper (unshare, nsenter) has exec'd it: pids.json
+    records its argv[0], which `down` checks against /proc/PID/cmdline.
+    """
     log = run_dir / "logs" / f"{name}.log"
     with log.open("ab") as out:
         out.write(f"# {' '.join(argv)}\n".encode())
         out.flush()
         # Own session: Ctrl-C in the terminal of `cluster.py up` does not reach the components.
         popen = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                 cwd=run_dir, start_new_session=True)
-    return Proc(name, argv, log, popen.pid, popen)
+                                 cwd=run_dir, start_new_session=True, env=env)
+    return Proc(name, record_argv or argv, log, popen.pid, popen)
 
 
 def write_pids(path: Path, procs: Sequence[Proc]) -> None:

@@ -2,101 +2,11 @@
 
 from __future__ import annotations
 
-import json
-import os
-import sys
-import time
 import uuid
-from collections.abc import Callable, Iterator
-from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
-import pytest
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from cluster import (  # e2e/ is not a package: imported via the sys.path entry above
-    GPU_LABEL,
-    GPU_RESOURCE,
-    GPU_TAINT,
-    GPU_TOLERATION,
-    ApiError,
-    ClusterError,
-    LocalCluster,
-    find_bin_dir,
-)
-
-T = TypeVar("T")
-WAIT_S = 60.0
-GPU_NODES = 2
-GPUS_PER_NODE = 8
-
-
-def _skip_reason() -> str | None:
-    """Why these tests cannot run here (binaries not built and KVFLEET_BUILD_K8S unset), or None."""
-    if os.environ.get("KVFLEET_BUILD_K8S"):
-        return None  # the session fixture builds them (about 10 min cold)
-    try:
-        if find_bin_dir(build=False) is None:
-            return ("control-plane binaries are not built: run `bash e2e/build.sh` (about 10 min) "
-                    "or set KVFLEET_BUILD_K8S=1 to build them in the fixture")
-    except ClusterError as exc:
-        return f"cannot locate the control-plane binaries: {exc}"
-    return None
-
-
-_SKIP = _skip_reason()
-pytestmark = [pytest.mark.cluster, pytest.mark.skipif(_SKIP is not None, reason=_SKIP or "")]
-
-
-def wait_for(what: str, fn: Callable[[], T | None], timeout: float = WAIT_S) -> T:
-    """Poll fn until it returns something truthy (returned); fail at the deadline with the last value seen."""
-    deadline = time.monotonic() + timeout
-    last: T | None = None
-    while True:
-        last = fn()
-        if last:
-            return last
-        if time.monotonic() >= deadline:
-            raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}; last: {last!r}")
-        time.sleep(0.25)
-
-
-@pytest.fixture(scope="session")
-def cluster() -> Iterator[LocalCluster]:
-    """One control plane for the session; KVFLEET_E2E_KEEP=1 keeps its run dir (logs) afterwards."""
-    bin_dir = find_bin_dir(build=bool(os.environ.get("KVFLEET_BUILD_K8S")))
-    assert bin_dir is not None
-    c = LocalCluster(gpu_nodes=GPU_NODES, gpus_per_node=GPUS_PER_NODE, bin_dir=bin_dir,
-                     keep=bool(os.environ.get("KVFLEET_E2E_KEEP")))
-    c.start()
-    print(f"\ncluster up in {c.timings['total']:.1f}s: {c.timings} (run dir {c.run_dir})")
-    try:
-        yield c
-    finally:
-        c.stop()
-
-
-def namespace_gone(cluster: LocalCluster, name: str) -> bool:
-    try:
-        cluster.api("GET", f"/api/v1/namespaces/{name}")
-    except ApiError as exc:
-        return exc.status == 404
-    return False
-
-
-@pytest.fixture
-def namespace(cluster: LocalCluster) -> Iterator[str]:
-    """A fresh namespace; afterwards its pods are deleted (waited for, so they free their GPUs), then it is.
-
-    The namespace itself is not waited for: the namespace controller holds every deletion for a fixed
-    5 s grace period; test_namespace_deletion_completes covers it once.
-    """
-    name = f"e2e-{uuid.uuid4().hex[:8]}"
-    cluster.kubectl("create", "namespace", name)
-    yield name
-    cluster.kubectl("delete", "deployments,replicasets,pods", "--all", "-n", name, "--wait=false")
-    wait_for(f"pods in {name} deleted", lambda: not cluster.kubectl_json("get", "pods", "-n", name)["items"])
-    cluster.kubectl("delete", "namespace", name, "--wait=false")
+from cluster import GPU_LABEL, GPU_RESOURCE, GPU_TAINT, GPU_TOLERATION, LocalCluster  # e2e/ on sys.path (conftest)
+from kube_util import GPU_NODES, GPUS_PER_NODE, apply, is_running_ready, namespace_gone, pods, wait_for, wait_running
 
 
 def gpu_deployment(name: str, namespace: str, replicas: int, gpus: int) -> dict[str, Any]:
@@ -123,29 +33,6 @@ def gpu_deployment(name: str, namespace: str, replicas: int, gpus: int) -> dict[
             },
         },
     }
-
-
-def apply(cluster: LocalCluster, obj: dict[str, Any]) -> None:
-    cluster.kubectl("apply", "-f", "-", stdin=json.dumps(obj))
-
-
-def pods(cluster: LocalCluster, namespace: str, selector: str) -> list[dict[str, Any]]:
-    items: list[dict[str, Any]] = cluster.kubectl_json("get", "pods", "-n", namespace, "-l", selector)["items"]
-    return items
-
-
-def is_running_ready(pod: dict[str, Any]) -> bool:
-    status = pod.get("status", {})
-    conds = {c["type"]: c["status"] for c in status.get("conditions", [])}
-    return status.get("phase") == "Running" and conds.get("Ready") == "True"
-
-
-def wait_running(cluster: LocalCluster, namespace: str, selector: str, n: int) -> list[dict[str, Any]]:
-    def ready() -> list[dict[str, Any]] | None:
-        items = pods(cluster, namespace, selector)
-        return items if len(items) == n and all(is_running_ready(p) for p in items) else None
-
-    return wait_for(f"{n} pods {selector} Running and Ready", ready)
 
 
 def test_apiserver_serves_and_lists_gpu_nodes(cluster: LocalCluster) -> None:

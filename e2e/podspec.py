@@ -1,0 +1,192 @@
+"""Pure translation of a pod's first container into a local process: argv, environment, paths and probes.
+
+The process kubelet runs every agent pod in one shared network namespace and without a mount
+namespace, so it adapts three things a real kubelet gets from the container runtime:
+- bind address: 0.0.0.0 would collide between pods, so KVFLEET_HOST (and any --host argument) is
+  rewritten to the pod's own IP, which is what 0.0.0.0 means inside a real pod;
+- volumes: a mount path in an argument or env value is rewritten to the directory that backs it
+  (hostPath as is; a PVC is RUN_DIR/pvc/<namespace>/<claimName>; emptyDir and ConfigMap volumes are
+  directories under the pod's own dir);
+- probes: periods are capped (max_period) so tests do not wait out production-sized intervals.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+AGENT_COMMAND = "kvfleet-agent"
+_VAR_REF = re.compile(r"\$\$|\$\(([A-Za-z_][A-Za-z0-9_.-]*)\)")
+
+
+def runs_agent(pod: Mapping[str, Any]) -> bool:
+    """Whether the pod's first container runs the kvfleet agent (its command's program is kvfleet-agent)."""
+    containers = pod.get("spec", {}).get("containers") or [{}]
+    command = containers[0].get("command") or [""]
+    return os.path.basename(str(command[0])) == AGENT_COMMAND
+
+
+def expand(value: str, env: Mapping[str, str]) -> str:
+    """Kubernetes' $(VAR) expansion: defined variables are substituted, $$ escapes, unknown refs stay."""
+    def sub(m: re.Match[str]) -> str:
+        if m.group(0) == "$$":
+            return "$"
+        name = m.group(1)
+        return env.get(name, m.group(0))
+
+    return _VAR_REF.sub(sub, value)
+
+
+def field_ref(pod: Mapping[str, Any], path: str, pod_ip: str, host_ip: str) -> str:
+    """The downward-API fields a pod spec can reference in env (fieldRef.fieldPath)."""
+    meta = pod.get("metadata", {})
+    values = {
+        "metadata.name": meta.get("name", ""),
+        "metadata.namespace": meta.get("namespace", ""),
+        "metadata.uid": meta.get("uid", ""),
+        "spec.nodeName": pod.get("spec", {}).get("nodeName", ""),
+        "spec.serviceAccountName": pod.get("spec", {}).get("serviceAccountName", ""),
+        "status.podIP": pod_ip,
+        "status.hostIP": host_ip,
+    }
+    if path in values:
+        return str(values[path])
+    m = re.fullmatch(r"metadata\.(labels|annotations)\['(.+)'\]", path)
+    if m:
+        return str(meta.get(m.group(1), {}).get(m.group(2), ""))
+    raise ValueError(f"fieldRef {path!r} is not supported by the process kubelet")
+
+
+@dataclass(frozen=True)
+class Probe:
+    """An httpGet probe, as the kubelet runs it."""
+
+    path: str
+    port: int
+    period: float
+    failure_threshold: int
+    initial_delay: float
+    timeout: float
+
+
+@dataclass
+class ProcessSpec:
+    """What to run for one pod: the program, its environment and working dir, and its probes."""
+
+    argv: list[str]
+    env: dict[str, str]
+    cwd: Path
+    dirs: list[Path] = field(default_factory=list)  # to create before start (emptyDir and friends)
+    files: dict[Path, str] = field(default_factory=dict)  # ConfigMap volume contents
+    startup: Probe | None = None
+    readiness: Probe | None = None
+    liveness: Probe | None = None
+    grace_seconds: float = 30.0
+
+
+def _probe(spec: Mapping[str, Any] | None, ports: Mapping[str, int], max_period: float) -> Probe | None:
+    if not spec or "httpGet" not in spec:
+        return None
+    get = spec["httpGet"]
+    port = get.get("port", 80)
+    port = ports[port] if isinstance(port, str) else int(port)
+    return Probe(path=get.get("path", "/"), port=port,
+                 period=min(float(spec.get("periodSeconds", 10)), max_period),
+                 failure_threshold=int(spec.get("failureThreshold", 3)),
+                 initial_delay=min(float(spec.get("initialDelaySeconds", 0)), max_period),
+                 timeout=float(spec.get("timeoutSeconds", 1)))
+
+
+def _volume_dirs(pod: Mapping[str, Any], pod_dir: Path, run_dir: Path,
+                 configmaps: Mapping[str, Mapping[str, str]]) -> tuple[dict[str, Path], dict[Path, str]]:
+    """Each volume name → the local directory backing it; plus files to write for ConfigMap volumes."""
+    namespace = pod["metadata"]["namespace"]
+    dirs: dict[str, Path] = {}
+    files: dict[Path, str] = {}
+    for vol in pod["spec"].get("volumes", []):
+        name = vol["name"]
+        if "hostPath" in vol:
+            dirs[name] = Path(vol["hostPath"]["path"])
+        elif "persistentVolumeClaim" in vol:
+            dirs[name] = run_dir / "pvc" / namespace / vol["persistentVolumeClaim"]["claimName"]
+        elif "emptyDir" in vol or "configMap" in vol or "projected" in vol:
+            dirs[name] = pod_dir / "volumes" / name
+            # A projected volume (e.g. the service-account one) gets its ConfigMap sources and the
+            # namespace; token sources are left out (nothing here reads them).
+            sources = [vol] if "configMap" in vol else vol.get("projected", {}).get("sources", [])
+            for source in sources:
+                if "configMap" in source:
+                    data = configmaps.get(source["configMap"]["name"], {})
+                    items = source["configMap"].get("items") or [{"key": k, "path": k} for k in data]
+                    for item in items:
+                        files[dirs[name] / item["path"]] = data.get(item["key"], "")
+                for item in source.get("downwardAPI", {}).get("items", []):
+                    files[dirs[name] / item["path"]] = field_ref(pod, item["fieldRef"]["fieldPath"], "", "")
+    return dirs, files
+
+
+def configmap_names(pod: Mapping[str, Any]) -> set[str]:
+    """ConfigMaps the pod's volumes read (the kubelet fetches them before start)."""
+    names = set()
+    for vol in pod["spec"].get("volumes", []):
+        sources = [vol] if "configMap" in vol else vol.get("projected", {}).get("sources", [])
+        names |= {src["configMap"]["name"] for src in sources if "configMap" in src}
+    return names
+
+
+def process_spec(pod: Mapping[str, Any], pod_ip: str, host_ip: str, pod_dir: Path, run_dir: Path,
+                 base_env: Mapping[str, str], configmaps: Mapping[str, Mapping[str, str]] | None = None,
+                 max_period: float = 1.0) -> ProcessSpec:
+    """The local process for pod's first container; ValueError names what the process kubelet cannot do."""
+    container = pod["spec"]["containers"][0]
+    vol_dirs, files = _volume_dirs(pod, pod_dir, run_dir, configmaps or {})
+    mounts: list[tuple[str, Path]] = []
+    for m in container.get("volumeMounts", []):
+        if m["name"] not in vol_dirs:
+            raise ValueError(f"volume {m['name']!r} has a type the process kubelet does not support")
+        mounts.append((m["mountPath"].rstrip("/") or "/", vol_dirs[m["name"]] / m.get("subPath", "")))
+    mounts.sort(key=lambda mp: len(mp[0]), reverse=True)  # the most specific mount wins
+
+    def local(value: str) -> str:
+        for mount_path, directory in mounts:
+            if value == mount_path or value.startswith(mount_path + "/"):
+                return str(directory) + value[len(mount_path):]
+        return value
+
+    env: dict[str, str] = {"HOME": str(pod_dir), "HOSTNAME": pod["metadata"]["name"]}
+    env.update(base_env)
+    for var in container.get("env", []):
+        if "valueFrom" in var:
+            ref = var["valueFrom"].get("fieldRef")
+            if ref is None:
+                raise ValueError(f"env {var['name']}: only fieldRef valueFrom is supported by the process kubelet")
+            env[var["name"]] = field_ref(pod, ref["fieldPath"], pod_ip, host_ip)
+        else:
+            env[var["name"]] = local(expand(var.get("value", ""), env))
+    env["KVFLEET_HOST"] = pod_ip  # see the module docstring: 0.0.0.0 would be shared by every pod here
+    for mount_path, directory in mounts:
+        if mount_path == "/tmp":
+            env["TMPDIR"] = str(directory)
+
+    argv = [local(expand(a, env)) for a in [*container.get("command", []), *container.get("args", [])]]
+    for i, arg in enumerate(argv):
+        if arg == "--host" and i + 1 < len(argv):
+            argv[i + 1] = pod_ip
+        elif arg.startswith("--host="):
+            argv[i] = f"--host={pod_ip}"
+
+    ports = {p["name"]: int(p["containerPort"]) for p in container.get("ports", []) if "name" in p}
+    grace = pod["metadata"].get("deletionGracePeriodSeconds", pod["spec"].get("terminationGracePeriodSeconds", 30))
+    return ProcessSpec(
+        argv=argv, env=env, cwd=pod_dir,
+        dirs=sorted({d for d in vol_dirs.values() if d.is_relative_to(pod_dir)} | {pod_dir}),
+        files=files,
+        startup=_probe(container.get("startupProbe"), ports, max_period),
+        readiness=_probe(container.get("readinessProbe"), ports, max_period),
+        liveness=_probe(container.get("livenessProbe"), ports, max_period),
+        grace_seconds=float(grace),
+    )
