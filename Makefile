@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | sha256sum | cut -c1-12)
 
-.PHONY: setup demo test lint unit bench cluster-up cluster-down clean
+.PHONY: setup demo test lint unit cluster-test bench cluster-up cluster-down clean
 
 setup: $(STAMP)
 
@@ -21,11 +21,18 @@ lint: setup
 	@test ! -e operator/__init__.py || { echo "operator/__init__.py must not exist: it shadows the standard library's operator module"; exit 1; }
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/mypy
+	cd e2e && $(abspath $(VENV))/bin/mypy --strict *.py  # not a package: its own run
 
 unit: setup
 	$(PY) -m pytest -q
 
-test: lint unit
+# The cluster tier: builds the control-plane binaries once (about 10 min cold, cached by version
+# outside the repo), then runs e2e/ against a real API server with the process kubelet.
+cluster-test: setup
+	bash e2e/build.sh >/dev/null
+	$(PY) -m pytest e2e -m cluster -q -p no:cacheprovider
+
+test: lint unit cluster-test
 
 bench: setup
 	$(PY) ../shared/bench/compare_throughput.py

@@ -394,6 +394,8 @@ def _cmd_up(args: argparse.Namespace) -> int:
     if (bin_dir / "kubectl").is_file():
         print(f"  export PATH={bin_dir}:$PATH   # kubectl {bin_dir / 'kubectl'} matches the server")
     print("  kubectl get nodes")
+    print("Pod IPs exist only in the cluster's network namespace; a shell there (curl a pod IP, run the operator):")
+    print(f"  {' '.join(netns.nsenter_argv(cluster._holder_pid(), [os.environ.get('SHELL', 'bash')]))}")
     down = f"python {Path(__file__)} down" + ("" if run_dir == DEFAULT_RUN_DIR else f" --run-dir {run_dir}")
     print(f"Stop it with:\n  {down}")
     return 0
