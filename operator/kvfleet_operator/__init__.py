@@ -1,1 +1,1 @@
-"""kvfleet operator: reconciles InferenceDeployment resources (a stub until the operator issue lands)."""
+"""kvfleet operator: reconciles InferenceDeployments (serving.kvfleet.dev/v1alpha1) into agent Deployments."""

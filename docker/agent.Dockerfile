@@ -1,0 +1,34 @@
+# kvfleet agent (GPU): docker build -f docker/agent.Dockerfile -t ghcr.io/kvfleet/kvfleet-agent:0.1.0 .
+# PyPI's Linux torch wheels bring their CUDA libraries; the node's driver comes in through the NVIDIA runtime.
+ARG PYTHON_VERSION=3.11
+
+FROM python:${PYTHON_VERSION}-slim AS build
+ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
+RUN python -m venv /opt/venv
+ENV PATH=/opt/venv/bin:$PATH
+WORKDIR /src
+COPY pyproject.toml README.md ./
+COPY agent agent
+COPY kernels kernels
+COPY operator operator
+RUN pip install ".[gpu]"
+
+FROM python:${PYTHON_VERSION}-slim
+# Triton compiles a small C launcher the first time a kernel runs, so the runtime image needs a C compiler.
+RUN apt-get update \
+    && apt-get install -y --no-install-recommends gcc libc6-dev \
+    && rm -rf /var/lib/apt/lists/* \
+    && useradd --uid 1000 --user-group --no-create-home --home-dir /tmp kvfleet
+COPY --from=build /opt/venv /opt/venv
+# The pod's root filesystem is read-only: every cache goes to the /tmp emptyDir.
+ENV PATH=/opt/venv/bin:$PATH \
+    HOME=/tmp \
+    XDG_CACHE_HOME=/tmp/.cache \
+    TRITON_CACHE_DIR=/tmp/.cache/triton \
+    PYTHONUNBUFFERED=1 \
+    PYTHONDONTWRITEBYTECODE=1 \
+    KVFLEET_HOST=0.0.0.0
+USER 1000:1000
+EXPOSE 8000 50051
+ENTRYPOINT ["kvfleet-agent"]
+CMD ["--help"]

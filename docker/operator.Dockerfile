@@ -1,0 +1,29 @@
+# kvfleet operator: docker build -f docker/operator.Dockerfile -t ghcr.io/kvfleet/kvfleet-operator:0.1.0 .
+# The project is one distribution whose dependencies include torch; the operator needs none of that, so the
+# package goes in with --no-deps and only the operator's own dependencies (versions read from pyproject.toml).
+ARG PYTHON_VERSION=3.11
+
+FROM python:${PYTHON_VERSION}-slim AS build
+ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
+RUN python -m venv /opt/venv
+ENV PATH=/opt/venv/bin:$PATH
+WORKDIR /src
+COPY pyproject.toml README.md ./
+COPY agent agent
+COPY kernels kernels
+COPY operator operator
+RUN python -c "import re, tomllib; deps = tomllib.load(open('pyproject.toml', 'rb'))['project']['dependencies']; \
+wanted = {'kopf', 'pydantic', 'pyyaml', 'aiohttp', 'prometheus-client'}; \
+print('\n'.join(d for d in deps if re.split(r'[<>=!~\[ ;]', d, maxsplit=1)[0].lower() in wanted))" > /tmp/operator-requirements.txt \
+    && cat /tmp/operator-requirements.txt \
+    && pip install -r /tmp/operator-requirements.txt \
+    && pip install --no-deps . \
+    && python -c "import kvfleet_operator.handlers"
+
+FROM python:${PYTHON_VERSION}-slim
+RUN useradd --uid 1000 --user-group --no-create-home --home-dir /tmp kvfleet
+COPY --from=build /opt/venv /opt/venv
+ENV PATH=/opt/venv/bin:$PATH HOME=/tmp PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1
+USER 1000:1000
+EXPOSE 8080
+ENTRYPOINT ["kvfleet-operator"]

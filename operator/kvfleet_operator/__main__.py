@@ -1,0 +1,66 @@
+"""`kvfleet-operator` / `python -m kvfleet_operator`: kopf with our settings, /healthz and /metrics, JSON logs."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import sys
+from collections.abc import Sequence
+
+import kopf
+
+from kvfleet_operator import handlers, metrics
+from kvfleet_operator.config import OperatorConfig
+
+log = logging.getLogger("kvfleet_operator")
+
+
+async def run(cfg: OperatorConfig) -> None:
+    """Run the operator until it is stopped (SIGINT/SIGTERM are handled by kopf)."""
+    ready, stop = asyncio.Event(), asyncio.Event()
+    task = asyncio.current_task()
+
+    def healthy() -> bool:
+        return ready.is_set() and not stop.is_set() and task is not None and not task.done()
+
+    runner, port = await metrics.serve(cfg.port, healthy)
+    log.info(f"kvfleet operator: health and metrics on port {port}; namespaces: "
+             f"{', '.join(cfg.namespaces) or 'all'}; peering: {cfg.peering or 'standalone'}")
+    try:
+        await kopf.operator(
+            registry=kopf.get_default_registry(),  # handlers.py registered itself on import
+            settings=cfg.settings(),
+            memo=kopf.Memo(cfg=cfg),
+            clusterwide=cfg.clusterwide,
+            namespaces=cfg.namespaces,
+            standalone=not cfg.peering,
+            peering_name=cfg.peering or None,
+            priority=cfg.peering_priority,
+            ready_flag=ready,
+            stop_flag=stop,
+        )
+    finally:
+        await runner.cleanup()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point; every setting comes from the environment (see OperatorConfig.from_env)."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    if args:
+        print(f"usage: kvfleet-operator (configured by environment variables)\n\n{OperatorConfig.from_env.__doc__}",
+              file=sys.stderr if args not in (["-h"], ["--help"]) else sys.stdout)
+        return 0 if args in (["-h"], ["--help"]) else 2
+    try:
+        cfg = OperatorConfig.from_env()
+    except ValueError as e:
+        print(f"kvfleet-operator: {e}", file=sys.stderr)
+        return 2
+    kopf.configure(log_format=kopf.LogFormat.JSON if cfg.log_format == "json" else kopf.LogFormat.FULL,
+                   debug=cfg.log_level == "DEBUG", quiet=cfg.log_level in ("WARNING", "ERROR"))
+    assert handlers.reconcile  # the import above registers the handlers with kopf's default registry
+    asyncio.run(run(cfg))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

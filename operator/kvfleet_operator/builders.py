@@ -1,0 +1,269 @@
+"""Pure builders: an InferenceDeployment → its Deployment, Service, PodDisruptionBudget and (rarely) ConfigMap."""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvfleet_operator.models import API_VERSION, KIND, InferenceDeployment, InferenceDeploymentSpec
+
+Manifest = dict[str, Any]
+
+HTTP_PORT, GRPC_PORT = 8000, 50051
+NAME_LABEL, INSTANCE_LABEL = "app.kubernetes.io/name", "app.kubernetes.io/instance"
+MANAGED_BY_LABEL, OWNER_LABEL = "app.kubernetes.io/managed-by", "serving.kvfleet.dev/inference-deployment"
+MANAGER = "kvfleet-operator"
+CONFIG_HASH_ANNOTATION = "serving.kvfleet.dev/config-hash"
+ARGS_FILE_DIR, ARGS_FILE_KEY = "/etc/kvfleet", "extra-args"
+# Past this many characters of extraArgs, they move to a ConfigMap the agent reads as `@file` (argparse
+# fromfile_prefix_chars), keeping the pod spec readable; a pod spec itself would take far more.
+ARGS_INLINE_LIMIT = 4096
+GPU_RESOURCE = "nvidia.com/gpu"
+STARTUP_PERIOD_SECONDS, STARTUP_FAILURES = 10, 360  # model loads may take up to an hour before /health answers
+
+
+@dataclass
+class Plan:
+    """What one reconcile writes: objects to server-side apply, and owned objects to delete (kind, name)."""
+
+    apply: list[Manifest] = field(default_factory=list)
+    delete: list[tuple[str, str, str]] = field(default_factory=list)  # (apiVersion, kind, name)
+
+
+def selector_labels(name: str) -> dict[str, str]:
+    """The two labels that select a resource's pods; stable for its lifetime (Deployment selectors are immutable)."""
+    return {OWNER_LABEL: name, MANAGED_BY_LABEL: MANAGER}
+
+
+def selector_string(name: str) -> str:
+    """selector_labels as the string the scale subresource reports (status.selector)."""
+    return ",".join(f"{k}={v}" for k, v in selector_labels(name).items())
+
+
+def common_labels(name: str) -> dict[str, str]:
+    return {NAME_LABEL: "kvfleet-agent", INSTANCE_LABEL: name, **selector_labels(name)}
+
+
+def owner_reference(cr: InferenceDeployment) -> dict[str, Any]:
+    return {"apiVersion": API_VERSION, "kind": KIND, "name": cr.metadata.name, "uid": cr.metadata.uid,
+            "controller": True, "blockOwnerDeletion": True}
+
+
+def _metadata(cr: InferenceDeployment, name: str) -> dict[str, Any]:
+    return {"name": name, "namespace": cr.metadata.namespace, "labels": common_labels(cr.metadata.name),
+            "ownerReferences": [owner_reference(cr)]}
+
+
+def model_dir(spec: InferenceDeploymentSpec) -> str:
+    """Where the agent finds the checkpoint inside its pod."""
+    image = spec.model.source.image
+    return image.path if image is not None else f"/models/{spec.model.name}"
+
+
+def agent_args(spec: InferenceDeploymentSpec, *, args_file: bool = False) -> list[str]:
+    """`kvfleet-agent serve` arguments; every runtime value is explicit, so agent default changes never leak in."""
+    rt = spec.runtime
+    args = ["serve", "--model", model_dir(spec), "--served-model-name", spec.model.name,
+            "--port", str(HTTP_PORT), "--grpc-port", str(GRPC_PORT),
+            "--tensor-parallel-size", str(rt.tensor_parallel_size), "--dtype", rt.dtype,
+            "--max-num-seqs", str(rt.max_num_seqs), "--block-size", str(rt.block_size),
+            "--gpu-memory-utilization", str(rt.gpu_memory_utilization),
+            "--max-queue-length", str(rt.max_queue_length),
+            "--drain-grace-period", str(rt.drain_grace_period_seconds)]
+    if rt.max_model_len is not None:
+        args += ["--max-model-len", str(rt.max_model_len)]
+    if rt.max_num_batched_tokens is not None:
+        args += ["--max-num-batched-tokens", str(rt.max_num_batched_tokens)]
+    if not rt.enable_prefix_caching:
+        args.append("--no-prefix-caching")  # the agent has only the negative flags; on is its default
+    if not rt.enable_chunked_prefill:
+        args.append("--no-chunked-prefill")
+    return args + ([f"@{ARGS_FILE_DIR}/{ARGS_FILE_KEY}"] if args_file else list(rt.extra_args))
+
+
+def _uses_args_file(spec: InferenceDeploymentSpec) -> bool:
+    return sum(len(a) + 1 for a in spec.runtime.extra_args) > ARGS_INLINE_LIMIT
+
+
+def _model_volume(spec: InferenceDeploymentSpec) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    src, mount = spec.model.source, {"name": "model", "mountPath": model_dir(spec), "readOnly": True}
+    if src.pvc is not None:
+        if src.pvc.path:
+            mount["subPath"] = src.pvc.path
+        claim = {"claimName": src.pvc.claim_name, "readOnly": True}
+        return [{"name": "model", "persistentVolumeClaim": claim}], [mount]
+    if src.host_path is not None:
+        return [{"name": "model", "hostPath": {"path": src.host_path.path, "type": "Directory"}}], [mount]
+    return [], []  # baked into the image
+
+
+def _resources(spec: InferenceDeploymentSpec) -> dict[str, Any]:
+    out: dict[str, dict[str, Any]] = {}
+    for kind, lst in (("requests", spec.resources.requests), ("limits", spec.resources.limits)):
+        if lst is not None:
+            out[kind] = {k: str(v) for k, v in (("cpu", lst.cpu), ("memory", lst.memory)) if v is not None}
+        if spec.gpus_per_replica:
+            # Extended resources need requests == limits; setting both keeps that true whatever else is given.
+            out.setdefault(kind, {})[GPU_RESOURCE] = str(spec.gpus_per_replica)
+    return {k: v for k, v in out.items() if v}
+
+
+def _env(spec: InferenceDeploymentSpec) -> list[dict[str, str]]:
+    # KVFLEET_HOST rather than --host: the local harness rebinds each agent to its pod IP through it.
+    env = {"KVFLEET_HOST": "0.0.0.0"}
+    env.update({e.name: e.value for e in spec.pod.env})  # a user value for the same name wins
+    return [{"name": k, "value": v} for k, v in env.items()]
+
+
+def _probe(path: str, period: int, failures: int, timeout: int) -> dict[str, Any]:
+    return {"httpGet": {"path": path, "port": "http"}, "periodSeconds": period, "failureThreshold": failures,
+            "timeoutSeconds": timeout}
+
+
+def _container(spec: InferenceDeploymentSpec, image: str, args_file: bool) -> dict[str, Any]:
+    _, mounts = _model_volume(spec)
+    mounts = [{"name": "tmp", "mountPath": "/tmp"}, *mounts]
+    if spec.runtime.tensor_parallel_size > 1:
+        mounts.append({"name": "dshm", "mountPath": "/dev/shm"})  # TP workers exchange tensors through shared memory
+    if args_file:
+        mounts.append({"name": "args", "mountPath": ARGS_FILE_DIR, "readOnly": True})
+    c: dict[str, Any] = {
+        "name": "agent", "image": image, "command": ["kvfleet-agent"], "args": agent_args(spec, args_file=args_file),
+        "env": _env(spec),
+        "ports": [{"name": "http", "containerPort": HTTP_PORT, "protocol": "TCP"},
+                  {"name": "grpc", "containerPort": GRPC_PORT, "protocol": "TCP"}],
+        "startupProbe": _probe("/health", STARTUP_PERIOD_SECONDS, STARTUP_FAILURES, 5),
+        "readinessProbe": _probe("/ready", 5, 3, 3),
+        "livenessProbe": _probe("/health", 15, 4, 5),
+        # Endpoints take a moment to drop a terminating pod; keep serving until they have (the agent then drains).
+        "lifecycle": {"preStop": {"sleep": {"seconds": 5}}},
+        "volumeMounts": mounts,
+        "securityContext": {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True,
+                            "runAsNonRoot": True, "capabilities": {"drop": ["ALL"]}},
+    }
+    if spec.image_pull_policy:
+        c["imagePullPolicy"] = spec.image_pull_policy
+    if resources := _resources(spec):
+        c["resources"] = resources
+    return c
+
+
+def pod_template(cr: InferenceDeployment, default_image: str) -> dict[str, Any]:
+    """The agent pod template, with the config-hash annotation over everything that shapes a pod."""
+    spec, name = cr.spec, cr.metadata.name
+    args_file = _uses_args_file(spec)
+    model_volumes, _ = _model_volume(spec)
+    volumes = [{"name": "tmp", "emptyDir": {}}, *model_volumes]
+    if spec.runtime.tensor_parallel_size > 1:
+        volumes.append({"name": "dshm", "emptyDir": {"medium": "Memory"}})
+    if args_file:
+        volumes.append({"name": "args", "configMap": {"name": args_config_map_name(name)}})
+    tolerations = [t.model_dump(by_alias=True, exclude_none=True) for t in spec.pod.tolerations]
+    if spec.gpus_per_replica:
+        tolerations.insert(0, {"key": GPU_RESOURCE, "operator": "Exists", "effect": "NoSchedule"})
+    pod: dict[str, Any] = {
+        "automountServiceAccountToken": False,  # the agent never calls the Kubernetes API
+        "enableServiceLinks": False,  # service links would inject e.g. KVFLEET_PORT, which the agent reads as a flag
+        "terminationGracePeriodSeconds": spec.runtime.drain_grace_period_seconds + 15,
+        "securityContext": {"runAsNonRoot": True, "runAsUser": 1000, "runAsGroup": 1000, "fsGroup": 1000,
+                            "seccompProfile": {"type": "RuntimeDefault"}},
+        "containers": [_container(spec, spec.image or default_image, args_file)],
+        "volumes": volumes,
+    }
+    for key, value in (("nodeSelector", spec.pod.node_selector), ("tolerations", tolerations),
+                       ("affinity", spec.pod.affinity), ("priorityClassName", spec.pod.priority_class_name),
+                       ("serviceAccountName", spec.pod.service_account_name)):
+        if value:
+            pod[key] = copy.deepcopy(value)
+    template = {"metadata": {"labels": {**spec.pod.labels, **common_labels(name)},
+                             "annotations": dict(spec.pod.annotations)}, "spec": pod}
+    extra = {"args": _args_file_text(spec)} if args_file else {}
+    template["metadata"]["annotations"][CONFIG_HASH_ANNOTATION] = config_hash(template, extra)
+    return template
+
+
+def config_hash(template: dict[str, Any], extra: dict[str, Any]) -> str:
+    """A short digest of the pod template and the files it reads: it changes exactly when pods must roll."""
+    blob = json.dumps({"template": template, "files": extra}, sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def deployment(cr: InferenceDeployment, default_image: str, replicas: int) -> Manifest:
+    """The agents' Deployment. `replicas` is explicit: under server-side apply an omitted field drops ownership."""
+    name = cr.metadata.name
+    return {
+        "apiVersion": "apps/v1", "kind": "Deployment", "metadata": _metadata(cr, name),
+        "spec": {
+            "replicas": replicas,
+            "selector": {"matchLabels": selector_labels(name)},
+            "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxUnavailable": 0, "maxSurge": 1}},
+            # Longer than the startup probe's budget, so a slow model load is not reported as a stalled rollout.
+            "progressDeadlineSeconds": STARTUP_PERIOD_SECONDS * STARTUP_FAILURES + 300,
+            "revisionHistoryLimit": 3,
+            "template": pod_template(cr, default_image),
+        },
+    }
+
+
+def service(cr: InferenceDeployment) -> Manifest:
+    """ClusterIP Service over the ready agents: HTTP (OpenAI API and /metrics) and gRPC."""
+    return {
+        "apiVersion": "v1", "kind": "Service", "metadata": _metadata(cr, cr.metadata.name),
+        "spec": {"type": "ClusterIP", "selector": selector_labels(cr.metadata.name),
+                 "ports": [{"name": "http", "port": HTTP_PORT, "targetPort": "http", "protocol": "TCP"},
+                           {"name": "grpc", "port": GRPC_PORT, "targetPort": "grpc", "protocol": "TCP",
+                            "appProtocol": "kubernetes.io/h2c"}]},
+    }
+
+
+def pod_disruption_budget(cr: InferenceDeployment) -> Manifest:
+    """At most one agent down for voluntary disruptions (node drains); unready pods never block a drain."""
+    return {
+        "apiVersion": "policy/v1", "kind": "PodDisruptionBudget", "metadata": _metadata(cr, cr.metadata.name),
+        "spec": {"maxUnavailable": 1, "selector": {"matchLabels": selector_labels(cr.metadata.name)},
+                 "unhealthyPodEvictionPolicy": "AlwaysAllow"},
+    }
+
+
+def args_config_map_name(name: str) -> str:
+    return f"{name}-args"
+
+
+def _args_file_text(spec: InferenceDeploymentSpec) -> str:
+    return "".join(f"{a}\n" for a in spec.runtime.extra_args)  # argparse reads one argument per line
+
+
+def args_config_map(cr: InferenceDeployment) -> Manifest:
+    """extraArgs too long to inline, as the file the agent reads through `@/etc/kvfleet/extra-args`."""
+    return {"apiVersion": "v1", "kind": "ConfigMap", "metadata": _metadata(cr, args_config_map_name(cr.metadata.name)),
+            "data": {ARGS_FILE_KEY: _args_file_text(cr.spec)}}
+
+
+def plan(cr: InferenceDeployment, default_image: str, replicas: int) -> Plan:
+    """Everything one reconcile applies or removes, in apply order (the ConfigMap before the pods that mount it)."""
+    out = Plan()
+    if _uses_args_file(cr.spec):
+        out.apply.append(args_config_map(cr))
+    else:
+        out.delete.append(("v1", "ConfigMap", args_config_map_name(cr.metadata.name)))
+    out.apply += [deployment(cr, default_image, replicas), service(cr), pod_disruption_budget(cr)]
+    return out
+
+
+def replicas_for(spec: InferenceDeploymentSpec, current: int | None) -> int:
+    """The Deployment's replica count for this reconcile; `current` is the live Deployment's (None before creation).
+
+    off/external: spec.replicas, which an HPA or KEDA may drive through the scale subresource.
+    builtin: the autoscaler owns the number. The reconcile keeps the live value (minReplicas on creation),
+    clamped to [minReplicas, maxReplicas] so an edited bound takes effect at once.
+    # AUTOSCALER HOOK: the builtin autoscaler's timer applies its decision through handlers.apply_desired(),
+    # the same full plan with `replicas` set to the decision; this function must never undo that, so it only
+    # keeps and clamps.
+    """
+    if spec.autoscaling.mode != "builtin":
+        return spec.replicas
+    a = spec.autoscaling
+    return min(max(current if current is not None else a.min_replicas, a.min_replicas), a.max_replicas)

@@ -1,0 +1,434 @@
+"""InferenceDeployment spec (pydantic): with status.py, the single source of the CRD schema; rules.py holds its CEL."""
+
+from __future__ import annotations
+
+import re
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema, field_validator, model_validator
+from pydantic.alias_generators import to_camel
+
+from kvfleet_operator.rules import (
+    BLOCK_SIZE_RULE,
+    BLOCK_SIZES,
+    BUILTIN_TARGET_RULE,
+    EXTRA_ARGS_RULE,
+    GPU_RULE,
+    HOST_PATH_RULE,
+    IMAGE_PATH_RULE,
+    LABELS_RULE,
+    LATENCY_SECONDS_RULE,
+    LATENCY_UNIQUE_RULE,
+    MIN_MAX_RULE,
+    MODEL_NAME_RULE,
+    NAME_RULE,
+    QUANTITY_RULE,
+    RESERVED_LABELS,
+    SCALE_DOWN_POLICY_RULE,
+    SCALE_UP_POLICY_RULE,
+    SOURCE_RULE,
+    SUBPATH_RULE,
+    cel,
+    check,
+)
+from kvfleet_operator.status import InferenceDeploymentStatus
+
+GROUP = "serving.kvfleet.dev"
+VERSION = "v1alpha1"
+API_VERSION = f"{GROUP}/{VERSION}"
+KIND = "InferenceDeployment"
+PLURAL = "inferencedeployments"
+
+
+class _Model(BaseModel):
+    # Attribute docstrings become the CRD's field descriptions; camelCase in YAML, snake_case in Python.
+    model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="forbid",
+                              use_attribute_docstrings=True, validate_default=False)
+
+
+# An integer or a Kubernetes quantity string ("4", "500m", "32Gi"), as in a pod's resources.
+Quantity = Annotated[int | str, WithJsonSchema({"x-kubernetes-int-or-string": True,
+                                                "anyOf": [{"type": "integer"}, {"type": "string"}]})]
+QUANTITY_RE = re.compile(r"^[0-9]+(\.[0-9]+)?(m|k|M|G|T|P|E|Ki|Mi|Gi|Ti|Pi|Ei)?$")
+
+
+def _clean_path(path: str) -> bool:
+    return "/../" not in f"/{path}/"
+
+
+class PvcSource(_Model):
+    """The model directory on a PersistentVolumeClaim, mounted read-only."""
+
+    model_config = ConfigDict(json_schema_extra=cel(SUBPATH_RULE))
+    claim_name: str = Field(min_length=1, max_length=253)
+    """Name of the PersistentVolumeClaim in the same namespace."""
+    path: str = Field(default="", max_length=4096)
+    """Sub-path of the model directory inside the claim ("" for its root)."""
+
+    @model_validator(mode="after")
+    def _sub_path(self) -> PvcSource:
+        check(not self.path.startswith("/") and _clean_path(self.path), SUBPATH_RULE)
+        return self
+
+
+class HostPathSource(_Model):
+    """The model directory on every node (a hostPath volume of type Directory), mounted read-only."""
+
+    model_config = ConfigDict(json_schema_extra=cel(HOST_PATH_RULE))
+    path: str = Field(min_length=1, max_length=4096)
+    """Absolute path of the model directory on the node."""
+
+    @model_validator(mode="after")
+    def _absolute(self) -> HostPathSource:
+        check(self.path.startswith("/") and _clean_path(self.path), HOST_PATH_RULE)
+        return self
+
+
+class ImageSource(_Model):
+    """The model directory baked into the agent image."""
+
+    model_config = ConfigDict(json_schema_extra=cel(IMAGE_PATH_RULE))
+    path: str = Field(min_length=1, max_length=4096)
+    """Absolute path of the model directory inside the agent image."""
+
+    @model_validator(mode="after")
+    def _absolute(self) -> ImageSource:
+        check(self.path.startswith("/") and _clean_path(self.path), IMAGE_PATH_RULE)
+        return self
+
+
+class ModelSource(_Model):
+    """Where the Hugging Face checkpoint directory comes from: exactly one of pvc, hostPath or image."""
+
+    model_config = ConfigDict(json_schema_extra=cel(SOURCE_RULE))
+    pvc: PvcSource | None = None
+    """A PersistentVolumeClaim holding the checkpoint (the usual choice)."""
+    host_path: HostPathSource | None = None
+    """A directory present on every GPU node."""
+    image: ImageSource | None = None
+    """A directory inside the agent image."""
+
+    @model_validator(mode="after")
+    def _exactly_one(self) -> ModelSource:
+        check(sum(s is not None for s in (self.pvc, self.host_path, self.image)) == 1, SOURCE_RULE)
+        return self
+
+
+class ModelSpec(_Model):
+    """The model to serve."""
+
+    name: str = Field(min_length=1, max_length=128, json_schema_extra=cel(MODEL_NAME_RULE))
+    """Served model name: the `model` clients send in OpenAI requests."""
+    source: ModelSource
+    """Where the checkpoint comes from."""
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, v: str) -> str:
+        check(re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._/:-]*", v) is not None and ".." not in v, MODEL_NAME_RULE)
+        return v
+
+
+class RuntimeSpec(_Model):
+    """Engine settings, rendered as kvfleet-agent serve flags."""
+
+    tensor_parallel_size: int = Field(default=1, ge=1, le=8)
+    """GPUs one model replica is sharded over (tensor parallelism)."""
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    """Weight and activation dtype (auto: the checkpoint's, float32 on CPU)."""
+    max_model_len: int | None = Field(default=None, ge=1, le=1048576)
+    """Longest prompt plus output in tokens (default: the checkpoint's)."""
+    max_num_seqs: int = Field(default=128, ge=1, le=4096)
+    """Sequences batched together in one engine step."""
+    max_num_batched_tokens: int | None = Field(default=None, ge=1, le=1048576)
+    """Tokens per engine step (default: 1024 on CPU, 8192 on GPU)."""
+    block_size: int = Field(default=16, ge=1, le=256, json_schema_extra=cel(BLOCK_SIZE_RULE))
+    """Tokens per paged KV-cache block (a power of two)."""
+    gpu_memory_utilization: float = Field(default=0.9, gt=0, le=1)
+    """Fraction of GPU memory the agent may use for weights, activations and KV cache."""
+    enable_prefix_caching: bool = True
+    """Reuse KV blocks of shared prompt prefixes."""
+    enable_chunked_prefill: bool = True
+    """Split long prompts across steps so decodes keep flowing."""
+    max_queue_length: int = Field(default=256, ge=0, le=1000000)
+    """Waiting requests beyond which new ones get HTTP 429 / gRPC RESOURCE_EXHAUSTED."""
+    drain_grace_period_seconds: int = Field(default=30, ge=0, le=3600)
+    """Seconds accepted requests may take to finish after SIGTERM (the pod's grace period adds 15 s)."""
+    extra_args: list[Annotated[str, Field(max_length=1024)]] = Field(
+        default_factory=list, max_length=64, json_schema_extra=cel(EXTRA_ARGS_RULE))
+    """Extra kvfleet-agent serve arguments, appended last (an escape hatch: later flags win)."""
+
+    @field_validator("block_size")
+    @classmethod
+    def _block_size(cls, v: int) -> int:
+        check(v in BLOCK_SIZES, BLOCK_SIZE_RULE)
+        return v
+
+    @field_validator("extra_args")
+    @classmethod
+    def _extra_args(cls, v: list[str]) -> list[str]:
+        check(all("\n" not in a for a in v), EXTRA_ARGS_RULE)
+        return v
+
+
+def _quantity(v: int | str | None) -> int | str | None:
+    if v is not None and not isinstance(v, int):
+        check(QUANTITY_RE.fullmatch(v) is not None, QUANTITY_RULE)
+    return v
+
+
+class ResourceList(_Model):
+    """CPU and memory for the agent container."""
+
+    cpu: Quantity | None = Field(default=None, json_schema_extra=cel(QUANTITY_RULE) | {"maxLength": 64})
+    """CPU cores, e.g. 8 or 500m."""
+    memory: Quantity | None = Field(default=None, json_schema_extra=cel(QUANTITY_RULE) | {"maxLength": 64})
+    """Memory, e.g. 64Gi."""
+
+    _cpu = field_validator("cpu", "memory")(_quantity)
+
+
+class ResourcesSpec(_Model):
+    """Resources of each replica's pod."""
+
+    gpus_per_replica: int | None = Field(default=None, ge=0, le=64)
+    """nvidia.com/gpu per pod (default: tensorParallelSize; 0 runs on CPU, for tiny models and tests)."""
+    requests: ResourceList | None = None
+    """CPU and memory requests."""
+    limits: ResourceList | None = None
+    """CPU and memory limits."""
+
+
+class LatencyTarget(_Model):
+    """A latency percentile to keep under a budget, e.g. TTFT p95 <= 0.5 s."""
+
+    model_config = ConfigDict(json_schema_extra=cel(LATENCY_SECONDS_RULE))
+    metric: Literal["ttft", "itl", "e2e"]
+    """ttft: time to first token; itl: inter-token latency; e2e: whole-request latency."""
+    percentile: float = Field(default=95, ge=50, lt=100)
+    """Percentile of the metric over the window, 50 <= p < 100."""
+    seconds: float
+    """Budget in seconds (> 0)."""
+
+    @model_validator(mode="after")
+    def _positive(self) -> LatencyTarget:
+        check(self.seconds > 0, LATENCY_SECONDS_RULE)
+        return self
+
+
+class Targets(_Model):
+    """What builtin autoscaling keeps each replica under."""
+
+    model_config = ConfigDict(json_schema_extra=cel(LATENCY_UNIQUE_RULE))
+    queue_depth_per_replica: float | None = Field(default=None, gt=0)
+    """Waiting requests per ready replica (kvfleet_requests_waiting)."""
+    latency: list[LatencyTarget] = Field(default_factory=list, max_length=6)
+    """Latency percentile budgets; the largest replica proposal wins."""
+
+    @model_validator(mode="after")
+    def _unique(self) -> Targets:
+        keys = [(t.metric, t.percentile) for t in self.latency]
+        check(len(keys) == len(set(keys)), LATENCY_UNIQUE_RULE)
+        return self
+
+
+class ScalingPolicy(_Model):
+    """At most `value` pods (or percent of current replicas) of change per `periodSeconds`."""
+
+    type: Literal["Pods", "Percent"]
+    """Pods: an absolute count; Percent: a share of the current replicas."""
+    value: int = Field(ge=1, le=10000)
+    """Pods or percent allowed per period (> 0)."""
+    period_seconds: int = Field(ge=1, le=1800)
+    """Length of the period the limit applies to."""
+
+
+class ScaleUpRules(_Model):
+    """How fast replicas may be added (HPA behavior semantics)."""
+
+    model_config = ConfigDict(json_schema_extra=cel(SCALE_UP_POLICY_RULE))
+    stabilization_window_seconds: int = Field(default=0, ge=0, le=3600)
+    """Use the lowest recommendation of this window (0: act at once)."""
+    policies: list[ScalingPolicy] = Field(
+        default_factory=lambda: [ScalingPolicy(type="Percent", value=100, period_seconds=15),
+                                 ScalingPolicy(type="Pods", value=4, period_seconds=15)], max_length=10)
+    """Rate limits; selectPolicy picks among them."""
+    select_policy: Literal["Max", "Min", "Disabled"] = "Max"
+    """Max: the most permissive policy; Min: the strictest; Disabled: never scale up."""
+
+    @model_validator(mode="after")
+    def _policies(self) -> ScaleUpRules:
+        check(self.select_policy == "Disabled" or bool(self.policies), SCALE_UP_POLICY_RULE)
+        return self
+
+
+class ScaleDownRules(_Model):
+    """How fast replicas may be removed (HPA behavior semantics)."""
+
+    model_config = ConfigDict(json_schema_extra=cel(SCALE_DOWN_POLICY_RULE))
+    stabilization_window_seconds: int = Field(default=300, ge=0, le=3600)
+    """Use the highest recommendation of this window, so brief dips do not remove warm replicas."""
+    policies: list[ScalingPolicy] = Field(
+        default_factory=lambda: [ScalingPolicy(type="Percent", value=50, period_seconds=15)], max_length=10)
+    """Rate limits; selectPolicy picks among them."""
+    select_policy: Literal["Max", "Min", "Disabled"] = "Max"
+    """Max: the most permissive policy; Min: the strictest; Disabled: never scale down."""
+
+    @model_validator(mode="after")
+    def _policies(self) -> ScaleDownRules:
+        check(self.select_policy == "Disabled" or bool(self.policies), SCALE_DOWN_POLICY_RULE)
+        return self
+
+
+class Behavior(_Model):
+    """Scale-up and scale-down rate limits and stabilization windows."""
+
+    scale_up: ScaleUpRules = Field(default_factory=ScaleUpRules)
+    """Adding replicas."""
+    scale_down: ScaleDownRules = Field(default_factory=ScaleDownRules)
+    """Removing replicas."""
+
+
+class AutoscalingSpec(_Model):
+    """Who sets the replica count, and how builtin autoscaling decides."""
+
+    model_config = ConfigDict(json_schema_extra=cel(MIN_MAX_RULE, BUILTIN_TARGET_RULE))
+    mode: Literal["off", "external", "builtin"] = "off"
+    """off: spec.replicas; external: an HPA/KEDA drives spec.replicas via the scale subresource; builtin: the
+    operator scales on queue depth and latency percentiles (spec.replicas is ignored)."""
+    min_replicas: int = Field(default=1, ge=1, le=1000)
+    """Fewest replicas builtin autoscaling keeps."""
+    max_replicas: int = Field(default=1, ge=1, le=1000)
+    """Most replicas builtin autoscaling starts."""
+    interval_seconds: int = Field(default=15, ge=5, le=600)
+    """Seconds between autoscaling decisions."""
+    window_seconds: int = Field(default=60, ge=10, le=3600)
+    """Metrics window the percentiles and queue depth are computed over."""
+    tolerance: float = Field(default=0.1, ge=0, le=1)
+    """No change while every observed/target ratio is within 1 +- tolerance."""
+    targets: Targets = Field(default_factory=Targets)
+    """What to keep each replica under (builtin mode needs at least one)."""
+    behavior: Behavior = Field(default_factory=Behavior)
+    """Rate limits and stabilization windows."""
+    startup_grace_seconds: int | None = Field(default=None, ge=0, le=7200)
+    """Seconds a new replica may take to become ready before it stops counting as capacity on the way
+    (default: learned from observed startups)."""
+
+    @model_validator(mode="after")
+    def _rules(self) -> AutoscalingSpec:
+        check(self.min_replicas <= self.max_replicas, MIN_MAX_RULE)
+        has_target = self.targets.queue_depth_per_replica is not None or bool(self.targets.latency)
+        check(self.mode != "builtin" or has_target, BUILTIN_TARGET_RULE)
+        return self
+
+
+class Toleration(_Model):
+    """A pod toleration (core/v1 Toleration)."""
+
+    key: str | None = Field(default=None, max_length=317)
+    """Taint key; empty with operator Exists tolerates everything."""
+    operator: Literal["Exists", "Equal"] | None = None
+    """Exists or Equal (the default)."""
+    value: str | None = Field(default=None, max_length=63)
+    """Taint value for operator Equal."""
+    effect: Literal["NoSchedule", "PreferNoSchedule", "NoExecute"] | None = None
+    """Taint effect to match (empty: all)."""
+    toleration_seconds: int | None = None
+    """How long a NoExecute taint is tolerated."""
+
+
+class EnvVar(_Model):
+    """An environment variable of the agent container."""
+
+    name: str = Field(min_length=1, max_length=256)
+    """Variable name."""
+    value: str = Field(default="", max_length=32768)
+    """Variable value."""
+
+
+class PodOverrides(_Model):
+    """Additions to the agent pods."""
+
+    node_selector: dict[str, str] = Field(default_factory=dict, max_length=64)
+    """Node labels the pods must match."""
+    tolerations: list[Toleration] = Field(default_factory=list, max_length=64)
+    """Tolerations, in addition to the nvidia.com/gpu one added when the pod requests GPUs."""
+    affinity: dict[str, Any] | None = Field(default=None,
+                                            json_schema_extra={"x-kubernetes-preserve-unknown-fields": True})
+    """A core/v1 Affinity, copied as is."""
+    env: list[EnvVar] = Field(default_factory=list, max_length=128)
+    """Extra environment variables (a name also set by the operator overrides it)."""
+    annotations: dict[str, str] = Field(default_factory=dict, max_length=64)
+    """Pod annotations."""
+    labels: dict[str, str] = Field(default_factory=dict, max_length=64, json_schema_extra=cel(LABELS_RULE))
+    """Pod labels (the operator's selector labels cannot be overridden)."""
+    priority_class_name: str | None = Field(default=None, max_length=253)
+    """PriorityClass of the pods."""
+    service_account_name: str | None = Field(default=None, max_length=253)
+    """ServiceAccount of the pods (its token is not mounted: the agent never calls the API)."""
+
+    @field_validator("labels")
+    @classmethod
+    def _labels(cls, v: dict[str, str]) -> dict[str, str]:
+        check(not any(k in v for k in RESERVED_LABELS), LABELS_RULE)
+        return v
+
+
+class InferenceDeploymentSpec(_Model):
+    """Desired state: a model served by a fleet of kvfleet agents."""
+
+    model_config = ConfigDict(json_schema_extra=cel(GPU_RULE))
+    model: ModelSpec
+    """The model to serve and where its checkpoint comes from."""
+    image: str | None = Field(default=None, max_length=512)
+    """Agent image (default: the operator's KVFLEET_AGENT_IMAGE)."""
+    image_pull_policy: Literal["Always", "IfNotPresent", "Never"] | None = None
+    """Pull policy of the agent image."""
+    runtime: RuntimeSpec = Field(default_factory=RuntimeSpec)
+    """Engine settings."""
+    replicas: int = Field(default=1, ge=0, le=1000)
+    """Replicas when autoscaling.mode is off or external (the scale subresource's spec path)."""
+    resources: ResourcesSpec = Field(default_factory=ResourcesSpec)
+    """GPUs, CPU and memory of each replica."""
+    autoscaling: AutoscalingSpec = Field(default_factory=AutoscalingSpec)
+    """Who owns the replica count, and builtin autoscaling's targets."""
+    pod: PodOverrides = Field(default_factory=PodOverrides)
+    """Additions to the agent pods."""
+
+    @property
+    def gpus_per_replica(self) -> int:
+        """The GPUs each pod requests: explicit, or one per tensor-parallel shard."""
+        g = self.resources.gpus_per_replica
+        return self.runtime.tensor_parallel_size if g is None else g
+
+    @model_validator(mode="after")
+    def _gpus(self) -> InferenceDeploymentSpec:
+        check(self.gpus_per_replica % self.runtime.tensor_parallel_size == 0, GPU_RULE)
+        return self
+
+
+class ObjectMeta(BaseModel):
+    """The metadata fields the operator reads (the apiserver owns the schema of metadata)."""
+
+    model_config = ConfigDict(extra="allow")
+    name: str
+    namespace: str = "default"
+    uid: str = ""
+    generation: int = 0
+
+    @field_validator("name")
+    @classmethod
+    def _dns_label(cls, v: str) -> str:
+        check(re.fullmatch(r"[a-z]([-a-z0-9]*[a-z0-9])?", v) is not None and len(v) <= 63, NAME_RULE)
+        return v
+
+
+class InferenceDeployment(_Model):
+    """A model served by an autoscaled fleet of kvfleet agents."""
+
+    model_config = ConfigDict(extra="ignore")  # the apiserver adds fields the operator does not read
+    api_version: Literal["serving.kvfleet.dev/v1alpha1"] = "serving.kvfleet.dev/v1alpha1"
+    kind: Literal["InferenceDeployment"] = "InferenceDeployment"
+    metadata: ObjectMeta
+    spec: InferenceDeploymentSpec
+    status: InferenceDeploymentStatus | None = None

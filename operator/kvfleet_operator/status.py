@@ -1,0 +1,179 @@
+"""InferenceDeployment status (pydantic) and the pure rule that derives it from the owned Deployment."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+from pydantic.alias_generators import to_camel
+from pydantic.config import JsonDict
+
+# Condition types: the reconcile owns the first three, the builtin autoscaler the rest.
+READY, PROGRESSING, DEGRADED = "Ready", "Progressing", "Degraded"
+SCALING_ACTIVE, SCALING_LIMITED, CAPACITY_BLOCKED, METRICS_AVAILABLE = (
+    "ScalingActive", "ScalingLimited", "CapacityBlocked", "MetricsAvailable")
+RECONCILE_CONDITIONS = (READY, PROGRESSING, DEGRADED)
+
+_DATE_TIME: JsonDict = {"format": "date-time"}
+
+
+class _Status(BaseModel):
+    model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="forbid",
+                              use_attribute_docstrings=True)
+
+
+class Condition(_Status):
+    """One aspect of the resource's state (metav1.Condition shape)."""
+
+    type: str = Field(max_length=64)
+    """Ready, Progressing, Degraded, ScalingActive, ScalingLimited, CapacityBlocked or MetricsAvailable."""
+    status: Literal["True", "False", "Unknown"]
+    """Whether the condition holds."""
+    reason: str = Field(max_length=128)
+    """A CamelCase reason code."""
+    message: str = Field(default="", max_length=32768)
+    """A sentence for humans."""
+    last_transition_time: str = Field(json_schema_extra=_DATE_TIME)
+    """When status last changed."""
+    observed_generation: int | None = None
+    """The metadata.generation this condition was computed from."""
+
+
+class ScalingProposal(_Status):
+    """What one signal asks for."""
+
+    source: str = Field(max_length=64)
+    """The signal, e.g. queue or ttft_p95."""
+    observed: float | None = None
+    """Its value over the window (null when no replica reported it)."""
+    target: float
+    """Its target from spec.autoscaling.targets."""
+    replicas: int
+    """Replicas this signal alone would want."""
+
+
+class ScalingDecision(_Status):
+    """One builtin-autoscaler decision, with its inputs and why."""
+
+    time: str = Field(json_schema_extra=_DATE_TIME)
+    """When the decision was taken."""
+    current_replicas: int
+    """Replicas of the Deployment before the decision."""
+    ready_replicas: int
+    """Replicas that were ready and serving."""
+    starting_replicas: int
+    """Replicas still starting (counted as capacity on the way)."""
+    desired_replicas: int
+    """Replicas decided."""
+    proposals: list[ScalingProposal] = Field(default_factory=list, max_length=16)
+    """One proposal per target; the largest wins before limits."""
+    limited_by: str = Field(default="none", max_length=64)
+    """What held the decision back: tolerance, scaleUpStabilization, scaleUpRate, scaleDownStabilization,
+    scaleDownRate, minReplicas, maxReplicas, partialMetrics, capacityBlocked or none."""
+    reason: str = Field(default="", max_length=1024)
+    """The decision in a sentence."""
+
+
+class AutoscalingStatus(_Status):
+    """What the builtin autoscaler last decided and learned."""
+
+    last_decision: ScalingDecision | None = None
+    """The latest decision."""
+    history: list[ScalingDecision] = Field(default_factory=list, max_length=10)
+    """Recent decisions that changed replicas, newest first."""
+    expected_startup_seconds: float | None = None
+    """Learned time from pod creation to ready."""
+    last_ttft_p95_seconds: float | None = None
+    """TTFT p95 over the last window, across replicas."""
+
+
+class InferenceDeploymentStatus(_Status):
+    """Observed state, written by the operator."""
+
+    observed_generation: int | None = None
+    """The metadata.generation the operator last reconciled."""
+    replicas: int = 0
+    """Agent pods that exist (the scale subresource's status path)."""
+    ready_replicas: int = 0
+    """Agent pods ready to serve."""
+    updated_replicas: int = 0
+    """Agent pods running the current configuration."""
+    desired_replicas: int | None = None
+    """Replicas the operator asks the Deployment for."""
+    selector: str | None = Field(default=None, max_length=1024)
+    """Label selector of the agent pods (the scale subresource's selector, for HPA/KEDA)."""
+    conditions: list[Condition] = Field(
+        default_factory=list, max_length=16,
+        json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["type"]})
+    """Ready, Progressing, Degraded and the autoscaler's conditions."""
+    autoscaling: AutoscalingStatus | None = None
+    """Builtin autoscaling's last decision and learned figures."""
+
+
+def now_rfc3339() -> str:
+    """The current time in the form Kubernetes writes timestamps."""
+    return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def _condition(type_: str, ok: bool, reason: str, message: str, generation: int, now: str,
+               previous: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    status = "True" if ok else "False"
+    old = previous.get(type_)
+    # The transition time moves only when the status flips, so `kubectl wait` and alerts see real changes.
+    since = old["lastTransitionTime"] if old and old.get("status") == status and old.get("lastTransitionTime") else now
+    return {"type": type_, "status": status, "reason": reason, "message": message,
+            "lastTransitionTime": since, "observedGeneration": generation}
+
+
+def observe(*, generation: int, desired: int, selector: str, deployment: dict[str, Any] | None,
+            error: str | None, previous: list[dict[str, Any]], now: str) -> dict[str, Any]:
+    """The status fields the reconcile owns, from the Deployment it applied (or the error that stopped it)."""
+    dstat = (deployment or {}).get("status") or {}
+    replicas, ready, updated = (int(dstat.get(k) or 0) for k in ("replicas", "readyReplicas", "updatedReplicas"))
+    dgen = int(((deployment or {}).get("metadata") or {}).get("generation") or 0)
+    seen = int(dstat.get("observedGeneration") or 0) >= dgen and deployment is not None
+    dconds = {c.get("type"): c for c in dstat.get("conditions") or []}
+    stalled = dconds.get("Progressing", {}).get("status") == "False"
+    failure = dconds.get("ReplicaFailure", {}).get("status") == "True"
+    settled = seen and updated >= desired and ready >= desired and replicas == desired
+    prev = {c.get("type", ""): c for c in previous}
+
+    def cond(type_: str, ok: bool, reason: str, message: str) -> dict[str, Any]:
+        return _condition(type_, ok, reason, message, generation, now, prev)
+
+    if error is not None:
+        degraded = cond(DEGRADED, True, "ApplyFailed", error)
+    elif stalled:
+        degraded = cond(DEGRADED, True, dconds["Progressing"].get("reason") or "ProgressDeadlineExceeded",
+                        dconds["Progressing"].get("message") or "the rollout stopped making progress")
+    elif failure:
+        degraded = cond(DEGRADED, True, dconds["ReplicaFailure"].get("reason") or "ReplicaFailure",
+                        dconds["ReplicaFailure"].get("message") or "pods could not be created")
+    else:
+        degraded = cond(DEGRADED, False, "AsExpected", "the Deployment, Service and PodDisruptionBudget are applied")
+
+    if desired == 0:
+        ready_c = cond(READY, False, "ScaledToZero", "no replicas are requested")
+    elif ready >= desired and settled:
+        ready_c = cond(READY, True, "AllReplicasReady", f"{ready}/{desired} replicas are ready")
+    elif ready > 0:
+        ready_c = cond(READY, True, "PartiallyReady", f"{ready}/{desired} replicas are ready; the model is served")
+    else:
+        ready_c = cond(READY, False, "NoReplicaReady", f"0/{desired} replicas are ready (loading, or waiting for "
+                                                       "a node with free GPUs)")
+
+    if error is not None:
+        progressing = cond(PROGRESSING, False, "ApplyFailed", "the desired state could not be applied")
+    elif settled:
+        progressing = cond(PROGRESSING, False, "RolloutComplete", f"{desired} replicas run the current configuration")
+    elif updated < replicas or not seen:  # pods of an older template remain
+        progressing = cond(PROGRESSING, True, "RollingOut",
+                           f"{updated}/{desired} replicas run the current configuration")
+    else:
+        verb = "ScalingUp" if replicas < desired else "ScalingDown" if replicas > desired else "ReplicasStarting"
+        progressing = cond(PROGRESSING, True, verb, f"{replicas} replicas exist, {ready} ready, {desired} desired")
+
+    return {"observedGeneration": generation, "replicas": replicas, "readyReplicas": ready,
+            "updatedReplicas": updated, "desiredReplicas": desired, "selector": selector,
+            "conditions": [ready_c, progressing, degraded]}

@@ -1,0 +1,125 @@
+"""The pydantic models refuse what the CRD's CEL rules refuse, with the same message; defaults match the CRD's."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import pytest
+from pydantic import ValidationError
+
+from kvfleet_operator import rules
+from kvfleet_operator.crd import crd
+from kvfleet_operator.models import InferenceDeployment, InferenceDeploymentSpec
+
+BASE: dict[str, Any] = {"model": {"name": "m", "source": {"pvc": {"claimName": "c"}}}}
+
+# (spec patch, the rule it breaks): one mistake per rule; test_every_rule_has_a_case keeps the list complete.
+CASES: list[tuple[str, dict[str, Any], rules.Rule]] = [
+    ("two sources", {"model": {"name": "m", "source": {"pvc": {"claimName": "c"}, "hostPath": {"path": "/x"}}}},
+     rules.SOURCE_RULE),
+    ("no source", {"model": {"name": "m", "source": {}}}, rules.SOURCE_RULE),
+    ("absolute sub-path", {"model": {"name": "m", "source": {"pvc": {"claimName": "c", "path": "/abs"}}}},
+     rules.SUBPATH_RULE),
+    ("dotdot sub-path", {"model": {"name": "m", "source": {"pvc": {"claimName": "c", "path": "a/../b"}}}},
+     rules.SUBPATH_RULE),
+    ("relative hostPath", {"model": {"name": "m", "source": {"hostPath": {"path": "rel"}}}}, rules.HOST_PATH_RULE),
+    ("relative image path", {"model": {"name": "m", "source": {"image": {"path": "rel/m"}}}},
+     rules.IMAGE_PATH_RULE),
+    ("model name with space", {"model": {"name": "bad name", "source": {"pvc": {"claimName": "c"}}}},
+     rules.MODEL_NAME_RULE),
+    ("model name with ..", {"model": {"name": "a/../b", "source": {"pvc": {"claimName": "c"}}}},
+     rules.MODEL_NAME_RULE),
+    ("blockSize 24", {"runtime": {"blockSize": 24}}, rules.BLOCK_SIZE_RULE),
+    ("newline in extraArgs", {"runtime": {"extraArgs": ["--a\n--b"]}}, rules.EXTRA_ARGS_RULE),
+    ("bad quantity", {"resources": {"requests": {"cpu": "lots"}}}, rules.QUANTITY_RULE),
+    ("gpus not a multiple of TP", {"runtime": {"tensorParallelSize": 4}, "resources": {"gpusPerReplica": 6}},
+     rules.GPU_RULE),
+    ("min > max", {"autoscaling": {"minReplicas": 3}}, rules.MIN_MAX_RULE),
+    ("builtin without a target", {"autoscaling": {"mode": "builtin", "maxReplicas": 3}}, rules.BUILTIN_TARGET_RULE),
+    ("latency budget 0", {"autoscaling": {"targets": {"latency": [{"metric": "ttft", "seconds": 0}]}}},
+     rules.LATENCY_SECONDS_RULE),
+    ("same latency target twice", {"autoscaling": {"targets": {"latency": [
+        {"metric": "ttft", "seconds": 1}, {"metric": "ttft", "percentile": 95.0, "seconds": 2}]}}},
+     rules.LATENCY_UNIQUE_RULE),
+    ("empty scaleUp policies", {"autoscaling": {"behavior": {"scaleUp": {"policies": []}}}},
+     rules.SCALE_UP_POLICY_RULE),
+    ("empty scaleDown policies", {"autoscaling": {"behavior": {"scaleDown": {"policies": []}}}},
+     rules.SCALE_DOWN_POLICY_RULE),
+    ("selector label override", {"pod": {"labels": {"app.kubernetes.io/managed-by": "me"}}}, rules.LABELS_RULE),
+]
+
+
+def spec(patch: dict[str, Any]) -> InferenceDeploymentSpec:
+    return InferenceDeploymentSpec.model_validate({**copy.deepcopy(BASE), **patch})
+
+
+@pytest.mark.parametrize(("patch", "rule"), [(p, r) for _, p, r in CASES], ids=[c[0] for c in CASES])
+def test_rule_rejects_with_its_message(patch: dict[str, Any], rule: rules.Rule) -> None:
+    with pytest.raises(ValidationError) as e:
+        spec(patch)
+    assert rule.message in str(e.value)
+
+
+def test_every_rule_has_a_case_and_sits_in_the_crd() -> None:
+    all_rules = {v for v in vars(rules).values() if isinstance(v, rules.Rule)}
+    assert all_rules - {r for _, _, r in CASES} == {rules.NAME_RULE}  # metadata.name: test_metadata_name
+    in_crd: list[dict[str, str]] = []
+
+    def collect(node: Any) -> None:
+        if isinstance(node, dict):
+            in_crd.extend(node.get("x-kubernetes-validations", []))
+            for v in node.values():
+                collect(v)
+        elif isinstance(node, list):
+            for v in node:
+                collect(v)
+
+    collect(crd())
+    assert {(v["rule"], v["message"]) for v in in_crd} == {(r.rule, r.message) for r in all_rules}
+
+
+def test_metadata_name_must_be_a_dns_label() -> None:
+    for bad in ("Upper", "has.dot", "-lead", "x" * 64):
+        with pytest.raises(ValidationError, match="DNS-1035"):
+            InferenceDeployment.model_validate({"metadata": {"name": bad}, "spec": BASE})
+    assert InferenceDeployment.model_validate({"metadata": {"name": "ok-1"}, "spec": BASE}).metadata.name == "ok-1"
+
+
+def test_accepts_the_edges_the_rules_allow() -> None:
+    s = spec({"runtime": {"tensorParallelSize": 4, "blockSize": 256}, "resources": {"gpusPerReplica": 8}})
+    assert s.gpus_per_replica == 8
+    assert spec({"runtime": {"tensorParallelSize": 2}}).gpus_per_replica == 2  # default: one GPU per shard
+    assert spec({"resources": {"gpusPerReplica": 0}}).gpus_per_replica == 0  # CPU
+    assert spec({"resources": {"requests": {"cpu": 2, "memory": "1.5Gi"}}}).resources.requests is not None
+    assert spec({"model": {"name": "org/model:v1.2", "source": {"pvc": {"claimName": "c", "path": "a/b"}}}})
+    assert spec({"autoscaling": {"mode": "builtin", "targets": {"queueDepthPerReplica": 0.5}}})
+    assert spec({"autoscaling": {"behavior": {"scaleUp": {"policies": [], "selectPolicy": "Disabled"}}}})
+
+
+def test_schema_ranges_refuse_out_of_range_values() -> None:
+    for patch in ({"runtime": {"tensorParallelSize": 16}}, {"runtime": {"gpuMemoryUtilization": 0}},
+                  {"runtime": {"dtype": "int8"}}, {"autoscaling": {"intervalSeconds": 1}},
+                  {"autoscaling": {"targets": {"latency": [{"metric": "ttft", "percentile": 100, "seconds": 1}]}}},
+                  {"autoscaling": {"mode": "sometimes"}}, {"unknownField": 1}):
+        with pytest.raises(ValidationError):
+            spec(patch)
+
+
+def test_defaults_match_the_crd_defaults() -> None:
+    s = spec({})
+    schema = crd()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]["properties"]
+    assert schema["runtime"]["default"] == {k: v for k, v in s.runtime.model_dump(by_alias=True, exclude_none=True)
+                                            .items() if v != []}
+    up = schema["autoscaling"]["properties"]["behavior"]["properties"]["scaleUp"]["properties"]["policies"]
+    assert up["default"] == [{"type": "Percent", "value": 100, "periodSeconds": 15},
+                             {"type": "Pods", "value": 4, "periodSeconds": 15}]
+    assert (s.runtime.block_size, s.runtime.max_num_seqs, s.autoscaling.mode, s.replicas) == (16, 128, "off", 1)
+    assert s.autoscaling.behavior.scale_down.stabilization_window_seconds == 300
+
+
+def test_round_trip_through_camel_case() -> None:
+    s = spec({"runtime": {"tensorParallelSize": 2, "extraArgs": ["--x"]}, "pod": {"nodeSelector": {"a": "b"}}})
+    dumped = s.model_dump(by_alias=True, exclude_none=True)
+    assert dumped["runtime"]["tensorParallelSize"] == 2 and dumped["pod"]["nodeSelector"] == {"a": "b"}
+    assert InferenceDeploymentSpec.model_validate(dumped) == s
