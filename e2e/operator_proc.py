@@ -1,0 +1,109 @@
+"""The kvfleet operator on the local cluster: installed from manifests/base, run as a process in the pod network
+under its own ServiceAccount's token (never as admin), restartable by pid."""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+from cluster import ApiError, LocalCluster
+from kube_util import wait_for
+from procs import Proc, tail, terminate_all
+
+REPO = Path(__file__).resolve().parent.parent
+NAMESPACE = "kvfleet-system"
+SERVICE_ACCOUNT = "kvfleet-operator"
+CRD = "inferencedeployments.serving.kvfleet.dev"
+
+
+def install(cluster: LocalCluster) -> None:
+    """`kubectl apply --server-side -k manifests/base`; wait for the CRDs to be Established.
+
+    The operator's own Deployment is scaled to zero: its image cannot be pulled here, so the tests run
+    the same program as a process with that Deployment's ServiceAccount instead.
+    """
+    for attempt in range(2):  # a custom resource in the base needs its CRD established first
+        proc = cluster.kubectl("apply", "--server-side", "--field-manager=kvfleet-e2e", "-k",
+                               str(REPO / "manifests/base"), check=attempt == 1)
+        if proc.returncode == 0:
+            break
+        wait_for("CRDs established", lambda: all(_established(cluster, c["metadata"]["name"]) for c in
+                                                 cluster.kubectl_json("get", "crd")["items"]), timeout=30)
+    wait_for(f"{CRD} Established", lambda: _established(cluster, CRD), timeout=30)
+    cluster.kubectl("scale", "deployment", "kvfleet-operator", "-n", NAMESPACE, "--replicas=0")
+
+
+def _established(cluster: LocalCluster, name: str) -> bool:
+    try:
+        crd = cluster.api("GET", f"/apis/apiextensions.k8s.io/v1/customresourcedefinitions/{name}")
+    except ApiError:
+        return False
+    conditions = crd.get("status", {}).get("conditions", [])
+    return any(c["type"] == "Established" and c["status"] == "True" for c in conditions)
+
+
+def service_account_kubeconfig(cluster: LocalCluster) -> Path:
+    """A kubeconfig carrying a fresh token of the operator's ServiceAccount (TokenRequest API)."""
+    request = {"apiVersion": "authentication.k8s.io/v1", "kind": "TokenRequest", "spec": {"expirationSeconds": 7200}}
+    token = cluster.api("POST", f"/api/v1/namespaces/{NAMESPACE}/serviceaccounts/{SERVICE_ACCOUNT}/token",
+                        request)["status"]["token"]
+    ca = base64.b64encode(cluster.pki.ca_crt.read_bytes()).decode()
+    config = {
+        "apiVersion": "v1", "kind": "Config", "current-context": "operator",
+        "clusters": [{"name": "local", "cluster": {"server": cluster.server, "certificate-authority-data": ca}}],
+        "users": [{"name": SERVICE_ACCOUNT, "user": {"token": token}}],
+        "contexts": [{"name": "operator", "context": {"cluster": "local", "user": SERVICE_ACCOUNT}}],
+    }
+    path = cluster.run_dir / "operator.kubeconfig"
+    path.write_text(json.dumps(config))  # JSON is YAML
+    path.chmod(0o600)
+    return path
+
+
+class Operator:
+    """One operator process at a time; start() again after stop() or kill() for a restart."""
+
+    def __init__(self, cluster: LocalCluster, env: dict[str, str] | None = None) -> None:
+        self.cluster = cluster
+        self.kubeconfig = service_account_kubeconfig(cluster)
+        self.extra_env = env or {}
+        self.proc: Proc | None = None
+        self.starts = 0
+
+    def start(self) -> Proc:
+        """Start `python -m kvfleet_operator` in the pod network (it scrapes agents on pod IPs)."""
+        self.starts += 1
+        env = dict(os.environ, KUBECONFIG=str(self.kubeconfig), KVFLEET_OPERATOR_PORT="0", KVFLEET_LOG_FORMAT="text",
+                   KVFLEET_LOG_LEVEL="DEBUG", **self.extra_env)
+        self.proc = self.cluster.spawn_in_pod_network(f"operator-{self.starts}", [sys.executable, "-m",
+                                                                                  "kvfleet_operator"], env)
+        return self.proc
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            terminate_all([self.proc], grace=10.0)
+            self.proc = None
+
+    def kill(self) -> None:
+        """SIGKILL: no cleanup, as when a node dies under it."""
+        if self.proc is not None and self.proc.popen is not None:
+            self.proc.popen.kill()
+            self.proc.popen.wait()
+            self.proc = None
+
+    def log(self) -> str:
+        return tail(self.proc.log, 80) if self.proc is not None else "(not running)"
+
+
+def get_cr(cluster: LocalCluster, namespace: str, name: str) -> dict[str, Any]:
+    result: dict[str, Any] = cluster.api(
+        "GET", f"/apis/serving.kvfleet.dev/v1alpha1/namespaces/{namespace}/inferencedeployments/{name}")
+    return result
+
+
+def condition(obj: dict[str, Any], kind: str) -> dict[str, Any] | None:
+    return next((c for c in obj.get("status", {}).get("conditions", []) if c["type"] == kind), None)

@@ -1,0 +1,193 @@
+"""The operator on the real control plane: CRD validation, reconcile to Deployment/Service/PDB, rollouts, scale,
+restart and garbage collection, with real agents behind the pods (process kubelet)."""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from cluster import LocalCluster
+from kube_util import is_running_ready, pods, wait_for
+from operator_proc import NAMESPACE, Operator, condition, get_cr, install
+
+READY_S = 150.0  # CR applied → agents loaded and Ready, on 2 shared cores
+SELECTOR = "serving.kvfleet.dev/inference-deployment"
+
+
+@pytest.fixture(scope="module")
+def operator(cluster: LocalCluster) -> Iterator[Operator]:
+    install(cluster)
+    op = Operator(cluster)
+    op.start()
+    try:
+        yield op
+    finally:
+        op.stop()
+
+
+def inference_deployment(name: str, namespace: str, model: Path, **spec: Any) -> dict[str, Any]:
+    """A CR serving the tiny model from a hostPath on one (fake) GPU per replica."""
+    body: dict[str, Any] = {
+        "apiVersion": "serving.kvfleet.dev/v1alpha1", "kind": "InferenceDeployment",
+        "metadata": {"name": name, "namespace": namespace},
+        "spec": {
+            "model": {"name": "tiny", "source": {"hostPath": {"path": str(model)}}},
+            "runtime": {"dtype": "float32", "maxModelLen": 256, "maxNumSeqs": 8, "drainGracePeriodSeconds": 5},
+            "resources": {"gpusPerReplica": 1},
+            "replicas": 1,
+        },
+    }
+    body["spec"].update(spec)
+    return body
+
+
+def apply_cr(cluster: LocalCluster, body: dict[str, Any], check: bool = True) -> Any:
+    return cluster.kubectl("apply", "--server-side", "--field-manager=e2e-user", "-f", "-", stdin=json.dumps(body),
+                           check=check)
+
+
+def owned(cluster: LocalCluster, namespace: str, name: str) -> dict[str, list[dict[str, Any]]]:
+    """The Deployments, Services and PDBs that carry this CR's label."""
+    sel = f"{SELECTOR}={name}"
+    return {kind: cluster.kubectl_json("get", kind, "-n", namespace, "-l", sel)["items"]
+            for kind in ("deployments", "services", "poddisruptionbudgets")}
+
+
+def wait_ready(cluster: LocalCluster, namespace: str, name: str, replicas: int) -> dict[str, Any]:
+    """Wait until the CR reports Ready=True with `replicas` ready replicas for its current generation."""
+    def ready() -> dict[str, Any] | None:
+        cr = get_cr(cluster, namespace, name)
+        st, cond = cr.get("status", {}), condition(cr, "Ready")
+        ok = (cond is not None and cond["status"] == "True" and st.get("readyReplicas") == replicas
+              and st.get("replicas") == replicas and st.get("observedGeneration") == cr["metadata"]["generation"])
+        return cr if ok else None
+
+    return wait_for(f"{name} Ready with {replicas} replicas", ready, timeout=READY_S, interval=0.5)
+
+
+INVALID: list[tuple[str, dict[str, Any], str]] = [
+    ("two model sources", {"model": {"name": "m", "source": {"hostPath": {"path": "/m"}, "pvc": {"claimName": "c"}}}},
+     "exactly one of pvc, hostPath or image"),
+    ("no model source", {"model": {"name": "m", "source": {}}}, "exactly one of pvc, hostPath or image"),
+    ("min above max", {"autoscaling": {"mode": "external", "minReplicas": 3, "maxReplicas": 2}},
+     "minReplicas must be <= maxReplicas"),
+    ("gpus not a multiple of TP", {"runtime": {"tensorParallelSize": 2}, "resources": {"gpusPerReplica": 3}},
+     "multiple of spec.runtime.tensorParallelSize"),
+    ("block size not a power of two", {"runtime": {"blockSize": 24}}, "blockSize must be a power of two"),
+    ("latency target zero", {"autoscaling": {"mode": "builtin", "maxReplicas": 2, "targets": {
+        "latency": [{"metric": "ttft", "percentile": 95, "seconds": 0}]}}}, "seconds must be > 0"),
+    ("builtin without targets", {"autoscaling": {"mode": "builtin", "maxReplicas": 2}},
+     "needs queueDepthPerReplica or at least one latency target"),
+    ("relative hostPath", {"model": {"name": "m", "source": {"hostPath": {"path": "models/m"}}}},
+     "hostPath.path must be an absolute path"),
+    ("unknown autoscaling mode", {"autoscaling": {"mode": "sometimes"}}, "Unsupported value: \"sometimes\""),
+    ("unknown dtype", {"runtime": {"dtype": "float8"}}, "Unsupported value: \"float8\""),
+    ("negative replicas", {"replicas": -1}, "spec.replicas: Invalid value: -1"),
+    ("memory utilization above 1", {"runtime": {"gpuMemoryUtilization": 1.5}}, "gpuMemoryUtilization"),
+    ("duplicate latency target", {"autoscaling": {"mode": "builtin", "maxReplicas": 2, "targets": {"latency": [
+        {"metric": "ttft", "percentile": 95, "seconds": 1}, {"metric": "ttft", "percentile": 95, "seconds": 2}]}}},
+     "same metric and percentile twice"),
+    ("reserved pod label", {"pod": {"labels": {SELECTOR: "other"}}}, "spec.pod.labels must not set"),
+]
+
+
+@pytest.mark.parametrize(("case", "patch", "expected"), INVALID, ids=[c[0] for c in INVALID])
+def test_apiserver_rejects_invalid_specs(cluster: LocalCluster, operator: Operator, namespace: str,
+                                         tiny_model: Path, case: str, patch: dict[str, Any], expected: str) -> None:
+    body = inference_deployment("bad", namespace, tiny_model)
+    for key, value in patch.items():  # merge one level down, so a patch can change one runtime knob
+        if isinstance(value, dict) and isinstance(body["spec"].get(key), dict) and key != "model":
+            body["spec"][key] = {**body["spec"][key], **value}
+        else:
+            body["spec"][key] = value
+    proc = apply_cr(cluster, body, check=False)
+    assert proc.returncode != 0, f"{case}: accepted"
+    assert expected in proc.stderr, f"{case}: {proc.stderr}"
+
+
+def test_crd_is_established_with_printer_columns(cluster: LocalCluster, operator: Operator) -> None:
+    crd = cluster.kubectl_json("get", "crd", "inferencedeployments.serving.kvfleet.dev")
+    version = crd["spec"]["versions"][0]
+    assert version["subresources"]["scale"]["specReplicasPath"] == ".spec.replicas"
+    assert {c["name"] for c in version["additionalPrinterColumns"]} >= {"Ready", "Replicas", "Desired", "Model", "Age"}
+    assert crd["spec"]["names"]["shortNames"]
+
+
+def test_lifecycle_of_an_inference_deployment(cluster: LocalCluster, operator: Operator, namespace: str,
+                                              tiny_model: Path) -> None:
+    """Create → Ready with owned objects; a spec change rolls the pods; kubectl scale; delete → all gone."""
+    name = "tiny"
+    apply_cr(cluster, inference_deployment(name, namespace, tiny_model, autoscaling={"mode": "external",
+                                                                                      "maxReplicas": 3}))
+    cr = wait_ready(cluster, namespace, name, 1)
+    objs = owned(cluster, namespace, name)
+    assert [len(objs[k]) for k in ("deployments", "services", "poddisruptionbudgets")] == [1, 1, 1], objs
+    for items in objs.values():
+        ref = items[0]["metadata"]["ownerReferences"][0]
+        assert (ref["kind"], ref["name"], ref["uid"], ref["controller"]) == (
+            "InferenceDeployment", name, cr["metadata"]["uid"], True)
+    dep = objs["deployments"][0]
+    live = cluster.api("GET", f"/apis/apps/v1/namespaces/{namespace}/deployments/{dep['metadata']['name']}")
+    managers = {m["manager"] for m in live["metadata"]["managedFields"]}
+    assert "kvfleet-operator" in managers
+    assert cr["status"]["selector"] and cr["status"]["desiredReplicas"] == 1
+    first = {p["metadata"]["uid"] for p in pods(cluster, namespace, f"{SELECTOR}={name}")}
+
+    # A runtime change rolls the pods (config hash on the template); maxUnavailable 0 keeps one serving.
+    body = inference_deployment(name, namespace, tiny_model, autoscaling={"mode": "external", "maxReplicas": 3})
+    body["spec"]["runtime"]["maxNumSeqs"] = 4
+    apply_cr(cluster, body)
+    wait_ready(cluster, namespace, name, 1)
+    rolled = wait_for("new pods after the spec change", lambda: (
+        ps if (ps := [p for p in pods(cluster, namespace, f"{SELECTOR}={name}") if is_running_ready(p)])
+        and not {p["metadata"]["uid"] for p in ps} & first and len(ps) == 1 else None), timeout=READY_S)
+    args = rolled[0]["spec"]["containers"][0]["args"]
+    assert "--max-num-seqs" in args and args[args.index("--max-num-seqs") + 1] == "4"
+
+    # External mode: `kubectl scale` drives spec.replicas through the scale subresource.
+    cluster.kubectl("scale", "inferencedeployment", name, "-n", namespace, "--replicas=2")
+    cr = wait_ready(cluster, namespace, name, 2)
+    assert cluster.kubectl_json("get", "deployment", dep["metadata"]["name"], "-n", namespace)["spec"]["replicas"] == 2
+    table = cluster.kubectl("get", "infd", name, "-n", namespace).stdout
+    assert "READY" in table and "tiny" in table
+
+    pids = [e["pid"] for e in cluster.agent_processes().values() if e["pod"].startswith(f"{namespace}/")]
+    assert len(pids) == 2
+    cluster.kubectl("delete", "inferencedeployment", name, "-n", namespace, "--wait=false")
+    wait_for("owned objects and pods garbage-collected", lambda: not any(owned(cluster, namespace, name).values())
+             and not pods(cluster, namespace, f"{SELECTOR}={name}"), timeout=90)
+    wait_for("agent processes stopped", lambda: not any(
+        e["pod"].startswith(f"{namespace}/") for e in cluster.agent_processes().values()), timeout=30)
+
+
+def test_restart_in_the_middle_of_a_reconcile_converges(cluster: LocalCluster, operator: Operator, namespace: str,
+                                                         tiny_model: Path) -> None:
+    name = f"restart-{uuid.uuid4().hex[:4]}"
+    apply_cr(cluster, inference_deployment(name, namespace, tiny_model))
+    # Kill it as soon as the reconcile has written its first object, before the status write.
+    wait_for("the Deployment created", lambda: owned(cluster, namespace, name)["deployments"], timeout=30,
+             interval=0.05)
+    operator.kill()
+    operator.start()
+    wait_ready(cluster, namespace, name, 1)
+    objs = owned(cluster, namespace, name)
+    assert [len(objs[k]) for k in ("deployments", "services", "poddisruptionbudgets")] == [1, 1, 1], objs
+    assert len(pods(cluster, namespace, f"{SELECTOR}={name}")) == 1
+
+
+def test_operator_service_account_is_least_privilege(cluster: LocalCluster, operator: Operator) -> None:
+    sa = f"system:serviceaccount:{NAMESPACE}:kvfleet-operator"
+
+    def can(*args: str) -> bool:
+        return cluster.kubectl("auth", "can-i", *args, f"--as={sa}", check=False).stdout.strip() == "yes"
+
+    assert can("patch", "deployments.apps", "-n", "default")
+    assert can("patch", "inferencedeployments.serving.kvfleet.dev/status", "-n", "default")
+    assert can("create", "events", "-n", "default")
+    assert not can("create", "secrets", "-n", "default")
+    assert not can("delete", "nodes")
+    assert not can("create", "clusterrolebindings")
