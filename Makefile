@@ -1,9 +1,10 @@
 # The two commands of the README: `make demo` (set up, then the main job) and `make test`.
 VENV ?= .venv
+CLUSTER_DIR ?= /tmp/kvfleet-cluster
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | sha256sum | cut -c1-12)
 
-.PHONY: setup demo test lint unit cluster-test bench cluster-up cluster-down clean
+.PHONY: setup demo demo-offline test lint unit cluster-test bench cluster-up cluster-down clean
 
 setup: $(STAMP)
 
@@ -14,7 +15,13 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q -e '.[dev]'
 	rm -f $(VENV)/.installed-* && touch $@
 
+# The full demo: local control plane, operator, an InferenceDeployment, agents answering. `make cluster-down` ends it.
 demo: setup
+	bash e2e/build.sh >/dev/null
+	$(PY) e2e/demo.py --run-dir $(CLUSTER_DIR)
+
+# The runtime alone, offline: a tiny checkpoint, four prompts, no cluster.
+demo-offline: setup
 	$(VENV)/bin/kvfleet-agent demo
 
 lint: setup
@@ -38,7 +45,6 @@ bench: setup
 	$(PY) ../shared/bench/compare_throughput.py
 
 # A local Kubernetes control plane with fake GPU nodes (binaries built once from the Go module proxy).
-CLUSTER_DIR ?= /tmp/kvfleet-cluster
 cluster-up: setup
 	bash e2e/build.sh >/dev/null
 	$(PY) e2e/cluster.py up --run-dir $(CLUSTER_DIR)

@@ -77,8 +77,8 @@ class Operator:
     def start(self) -> Proc:
         """Start `python -m kvfleet_operator` in the pod network (it scrapes agents on pod IPs)."""
         self.starts += 1
-        env = dict(os.environ, KUBECONFIG=str(self.kubeconfig), KVFLEET_OPERATOR_PORT="0", KVFLEET_LOG_FORMAT="text",
-                   KVFLEET_LOG_LEVEL="DEBUG", **self.extra_env)
+        env = {**os.environ, "KUBECONFIG": str(self.kubeconfig), "KVFLEET_OPERATOR_PORT": "0",
+               "KVFLEET_LOG_FORMAT": "text", "KVFLEET_LOG_LEVEL": "DEBUG", **self.extra_env}
         self.proc = self.cluster.spawn_in_pod_network(f"operator-{self.starts}", [sys.executable, "-m",
                                                                                   "kvfleet_operator"], env)
         return self.proc
