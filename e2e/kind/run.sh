@@ -215,9 +215,9 @@ Watch it (replicas, conditions, the last scaling decision and its reason):
   kubectl --context $CONTEXT -n $OPERATOR_NS logs deployment/$OPERATOR_DEPLOY -f
 
 Make it scale (the sample has autoscaling off; each replica requests 1 CPU and 2Gi):
-  kubectl --context $CONTEXT -n $NAMESPACE patch infd $NAME --type merge \
+  kubectl --context $CONTEXT -n $NAMESPACE patch infd $NAME --type merge \\
     -p '{"spec": {"autoscaling": {"mode": "builtin", "minReplicas": 1, "maxReplicas": 3, "targets": {"queueDepthPerReplica": 2}}}}'
-  kubectl --context $CONTEXT -n $NAMESPACE run kvfleet-load --rm -i --restart=Never --image=$AGENT_IMAGE \
+  kubectl --context $CONTEXT -n $NAMESPACE run kvfleet-load --rm -i --restart=Never --image=$AGENT_IMAGE \\
     --image-pull-policy=IfNotPresent -- bench serve --url http://$NAME:$HTTP_PORT --concurrency 32 --duration 180 --max-tokens 64
 
 Talk to it:
