@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import os
+import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -66,3 +68,50 @@ def ckpts(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     out = {arch: Path(init_tiny(str(root / arch), arch, seed=11)) for arch in ARCHS}
     out["llama-sharded"] = Path(init_tiny(str(root / "llama-sharded"), "llama", seed=11, num_shards=2))
     return out
+
+
+class Processes:
+    """Process liveness read from /proc (no psutil): enough to prove that no worker outlives its engine."""
+
+    @staticmethod
+    def alive(pid: int) -> bool:
+        """Whether pid runs (a zombie has exited: it only waits for its parent to reap it)."""
+        try:
+            stat = Path(f"/proc/{pid}/stat").read_text()
+        except OSError:
+            return False
+        return stat.rpartition(")")[2].split()[0] != "Z"
+
+    @staticmethod
+    def children(pid: int) -> set[int]:
+        """Live children of pid, leaving out multiprocessing's resource tracker (one per process, by design)."""
+        out = set()
+        for entry in os.listdir("/proc"):
+            if not entry.isdigit():
+                continue
+            try:
+                stat = Path(f"/proc/{entry}/stat").read_text()
+                cmdline = Path(f"/proc/{entry}/cmdline").read_bytes()
+            except OSError:  # exited while we looked
+                continue
+            state, ppid = stat.rpartition(")")[2].split()[:2]
+            if int(ppid) == pid and state != "Z" and b"resource_tracker" not in cmdline:
+                out.add(int(entry))
+        return out
+
+    def wait_gone(self, pids: set[int], timeout: float = 20.0) -> set[int]:
+        """Poll until none of pids runs or the deadline passes; returns the ones still running."""
+        deadline = time.monotonic() + timeout
+        while (left := {p for p in pids if self.alive(p)}) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return left
+
+
+@pytest.fixture
+def no_leftover_children() -> Iterator[Processes]:
+    """Fails the test if it leaves child processes of this process running; yields /proc helpers."""
+    procs = Processes()
+    before = procs.children(os.getpid())
+    yield procs
+    left = procs.wait_gone(procs.children(os.getpid()) - before)
+    assert not left, f"processes left behind: {sorted(left)}"

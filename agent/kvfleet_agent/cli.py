@@ -31,6 +31,10 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false")
     g.add_argument("--no-chunked-prefill", dest="enable_chunked_prefill", action="store_false")
     g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--num-threads", type=int, default=None,
+                   help="torch threads per rank (default: all cores, divided among the ranks on CPU)")
+    g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                   help="split the model over this many devices (one worker process per extra rank)")
 
 
 def _env_defaults(p: argparse.ArgumentParser) -> None:
@@ -54,7 +58,7 @@ def _env_defaults(p: argparse.ArgumentParser) -> None:
 def _engine_options(a: argparse.Namespace) -> dict[str, object]:
     keys = ("dtype", "max_model_len", "max_num_seqs", "max_num_batched_tokens", "block_size",
             "kv_cache_memory_bytes", "gpu_memory_utilization", "enable_prefix_caching", "enable_chunked_prefill",
-            "seed")
+            "seed", "num_threads", "tensor_parallel_size")
     return {k: getattr(a, k) for k in keys}
 
 
@@ -92,7 +96,8 @@ def _serve(a: argparse.Namespace) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the `kvfleet-agent` command."""
-    ap = argparse.ArgumentParser(prog="kvfleet-agent", description=__doc__)
+    # "@FILE" reads arguments from FILE, one per line: the operator mounts extraArgs too long for a pod spec that way.
+    ap = argparse.ArgumentParser(prog="kvfleet-agent", description=__doc__, fromfile_prefix_chars="@")
     ap.add_argument("--log-level", default="INFO")
     sub = ap.add_subparsers(dest="command", required=True)
 
@@ -123,6 +128,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     from kvfleet_agent.bench import loadgen
 
     loadgen.add_arguments(bench.add_parser("serve", help="drive a running OpenAI-compatible server with load"))
+    from kvfleet_agent.bench import offline
+
+    offline_parser = bench.add_parser("offline", help="offline throughput of LLM.generate on random prompts")
+    offline.add_arguments(offline_parser)
+    _engine_flags(offline_parser)
 
     serve = sub.add_parser("serve", help="serve a model over OpenAI-compatible HTTP and gRPC")
     serve.add_argument("--model", required="KVFLEET_MODEL" not in os.environ, help="Hugging Face model directory")
@@ -150,7 +160,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         elif a.command == "serve":
             return _serve(a)
         elif a.command == "bench":
-            return loadgen.main(a)
+            return offline.main(a, _engine_options(a)) if a.action == "offline" else loadgen.main(a)
         else:
             from kvfleet_agent.models.tiny import init_tiny
 

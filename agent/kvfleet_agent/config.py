@@ -16,7 +16,8 @@ class EngineConfig:
 
     Sizes left as None are derived at start-up and written back by `resolve`: max_model_len from
     the checkpoint, max_num_batched_tokens from the device, the KV pool from the memory budget
-    (kv_cache_memory_bytes on CPU, gpu_memory_utilization on CUDA).
+    (kv_cache_memory_bytes on CPU, gpu_memory_utilization on CUDA). With tensor_parallel_size N the
+    model and the KV cache are split over N ranks (devices); memory settings are per rank.
     """
 
     model: str
@@ -31,7 +32,8 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
     seed: int = 0
-    num_threads: int | None = None
+    num_threads: int | None = None  # torch threads per rank; on CPU default: the cores divided among the ranks
+    tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         def bad(name: str, rule: str) -> ValueError:
@@ -41,7 +43,7 @@ class EngineConfig:
             raise bad("dtype", f"choose one of {', '.join(DTYPES)}")
         if self.device not in ("auto", "cpu") and not self.device.startswith("cuda"):
             raise bad("device", "choose auto, cpu or cuda[:N]")
-        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
+        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "tensor_parallel_size"):
             value = getattr(self, name)
             if value is None and name == "max_num_batched_tokens":
                 continue

@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import time
 from collections.abc import Sequence
+from types import TracebackType
 from typing import Any, TypedDict
 
 from tqdm import tqdm
@@ -26,11 +27,28 @@ Prompt = str | TokensPrompt
 
 
 class LLM:
-    """A model loaded for batch generation; every prompt of a call is batched continuously."""
+    """A model loaded for batch generation; every prompt of a call is batched continuously.
+
+    With tensor_parallel_size=N > 1, ranks 1..N-1 run in worker processes started with
+    multiprocessing's "spawn" method, which re-imports the calling script: guard the script's top
+    level with `if __name__ == "__main__":`. Workers stop on shutdown(), at the end of a `with`
+    block, when the LLM is garbage collected, or at interpreter exit.
+    """
 
     def __init__(self, model: str, **engine_options: Any) -> None:
         self.engine = LLMEngine(EngineConfig.from_kwargs(model, **engine_options))
         self._ids = itertools.count()
+
+    def shutdown(self) -> None:
+        """Release the engine's worker processes (a no-op with one rank); generate() fails afterwards."""
+        self.engine.shutdown()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.shutdown()
 
     def get_tokenizer(self) -> Tokenizer | None:
         """The model's tokenizer, or None when the checkpoint has no tokenizer.json."""

@@ -1,4 +1,4 @@
-"""The CPU GEMM fast path: oneDNN-prepacked weights give fp32 results and are used after loading."""
+"""The CPU GEMM fast path (oneDNN-prepacked weights, fp32 results, used after loading) and rank shards of linears."""
 
 from __future__ import annotations
 
@@ -8,7 +8,18 @@ import pytest
 import torch
 
 from kvfleet_agent import LLM
-from kvfleet_agent.layers.linear import can_pack, linear, pack
+from kvfleet_agent.layers.linear import (
+    ColumnParallelLinear,
+    MergedColumnParallelLinear,
+    RowParallelLinear,
+    can_pack,
+    linear,
+    pack,
+)
+from kvfleet_agent.models.config import ModelConfig
+from kvfleet_agent.models.llama import LlamaForCausalLM
+from kvfleet_agent.models.loader import load_weights
+from kvfleet_agent.parallel.group import TPGroup
 
 pytestmark = pytest.mark.skipif(not can_pack(torch.empty(1, 1)), reason="this torch build has no oneDNN")
 
@@ -40,3 +51,44 @@ def test_loaded_fp32_model_uses_packed_weights_and_bf16_does_not(tiny_checkpoint
     assert linears and all(getattr(m, "packed", None) is not None for m in linears)
     model16 = LLM(model=path, dtype="bfloat16").engine.runner.model
     assert all(getattr(m, "packed", None) is None for m in model16.modules() if hasattr(m, "pack_weights"))
+
+
+def _rank_model(path: str, rank: int, size: int) -> torch.nn.Module:
+    cfg = ModelConfig.from_dir(path)
+    model = LlamaForCausalLM(cfg, 64, torch.float32, TPGroup(rank, size))
+    load_weights(model, path)
+    for m in model.modules():
+        if hasattr(m, "pack_weights"):
+            m.pack_weights()
+    return model
+
+
+def test_rank_shards_reassemble_the_full_weights_and_each_is_prepacked(tiny_checkpoint: Callable[..., str]) -> None:
+    """Column shards stack along outputs (per packed part), row shards along inputs, vocab shards along rows."""
+    path = tiny_checkpoint("qwen2", vocab_size=771)  # q/k/v biases, tied embeddings, an odd vocabulary
+    full = dict(_rank_model(path, 0, 1).named_parameters())
+    ranks = [_rank_model(path, r, 2) for r in range(2)]
+    shards = [dict(m.named_parameters()) for m in ranks]
+    assert shards[0].keys() == full.keys()
+    for name, want in full.items():
+        parts = [s[name] for s in shards]
+        if "qkv_proj" in name or "gate_up_proj" in name:  # each rank holds [q_r; k_r; v_r] (or [gate_r; up_r])
+            sizes = ranks[0].get_submodule(name.rpartition(".")[0]).out_sizes
+            pieces = [p.split(sizes) for p in parts]
+            got = torch.cat([torch.cat([pieces[r][i] for r in range(2)]) for i in range(len(sizes))])
+        elif name.endswith(("o_proj.weight", "down_proj.weight")):
+            got = torch.cat(parts, dim=1)
+        elif "embed_tokens" in name or "lm_head" in name:
+            assert [p.shape[0] for p in parts] == [386, 385]
+            got = torch.cat(parts)
+        else:  # norms: replicated
+            assert torch.equal(parts[0], parts[1])
+            got = parts[0]
+        assert torch.equal(got, want), name
+    x = torch.randn(5, 256)  # wide enough for every layer's inputs; a column slice of it is strided, as in the model
+    for m in ranks[1].modules():
+        if isinstance(m, ColumnParallelLinear | MergedColumnParallelLinear | RowParallelLinear):
+            assert m.packed is not None
+            y = linear(x[:, :m.weight.shape[1]], m.weight, m.bias, m.packed)
+            torch.testing.assert_close(y, torch.nn.functional.linear(x[:, :m.weight.shape[1]], m.weight, m.bias),
+                                       atol=1e-4, rtol=1e-5)

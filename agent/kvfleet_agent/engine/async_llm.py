@@ -103,6 +103,9 @@ class AsyncLLM:
         self.error: BaseException | None = None
         self._thread = threading.Thread(target=self._loop, name="kvfleet-engine", daemon=True)
         self._thread.start()
+        # A tensor-parallel worker's death wakes the engine thread even when it is idle, so the
+        # failure reaches /health and the watchdog now rather than on the next request.
+        self.engine.executor.on_failure(lambda: self._post("check", None))
 
     @classmethod
     def from_options(cls, model: str, **options: object) -> AsyncLLM:
@@ -111,8 +114,9 @@ class AsyncLLM:
 
     @property
     def is_alive(self) -> bool:
-        """Whether the engine thread is running and has not failed."""
-        return self._thread.is_alive() and self.error is None and not self._stopped
+        """Whether the engine thread is running and has not failed, and no tensor-parallel worker has died."""
+        return (self._thread.is_alive() and self.error is None and not self._stopped
+                and self.engine.executor.failure is None)
 
     def num_unfinished(self) -> int:
         """Requests accepted and not finished (approximate while a step runs)."""
@@ -171,10 +175,12 @@ class AsyncLLM:
         await asyncio.wrap_future(done)
 
     def shutdown(self, timeout: float = 10.0) -> None:
-        """Stop the engine thread; requests still queued or running end with finish_reason "abort"."""
+        """Stop the engine thread and any worker processes; unfinished requests end with finish_reason "abort"."""
         self._closed = True
         self._post("stop", None)
         self._thread.join(timeout)
+        # Also after a join that timed out: a thread stuck in a collective is freed when the workers exit.
+        self.engine.shutdown()
 
     # -- engine thread ----------------------------------------------------------------------------
 
@@ -190,7 +196,9 @@ class AsyncLLM:
             if block:  # the engine was idle: restart the progress clock so /health sees no stall
                 self.engine.counters.last_step_time = time.time()
             block = False
-            if op == "add":
+            if op == "check":
+                self.engine.check_health()  # raises if a worker died: the loop ends as a failure
+            elif op == "add":
                 assert isinstance(arg, Request)
                 self._adds_taken += 1
                 try:

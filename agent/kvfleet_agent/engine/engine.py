@@ -11,12 +11,13 @@ from typing import Protocol
 from kvfleet_agent.config import EngineConfig
 from kvfleet_agent.engine.detokenizer import IncrementalDetokenizer
 from kvfleet_agent.engine.kv_cache import KVCacheManager
-from kvfleet_agent.engine.model_runner import ModelRunner
+from kvfleet_agent.engine.model_runner import rank_device
 from kvfleet_agent.engine.request import Request, RequestStatus
 from kvfleet_agent.engine.scheduler import Scheduler
 from kvfleet_agent.models.config import ModelConfig
 from kvfleet_agent.models.tokenizer import Tokenizer
 from kvfleet_agent.outputs import CompletionOutput, Logprob, RequestOutput
+from kvfleet_agent.parallel.executor import Executor
 from kvfleet_agent.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -68,17 +69,16 @@ class LLMEngine:
         # EOS from every source the checkpoint gives (config.json, generation_config.json, tokenizer_config.json).
         self.eos_token_ids = frozenset(self.model_config.eos_token_ids) | frozenset(
             self.tokenizer.eos_token_ids if self.tokenizer else ())
-        self.runner = ModelRunner(config, self.model_config, self.max_model_len)
-        config.resolve(self.runner.device.type, self.max_model_len)
-        budget = self.runner.kv_budget_bytes()
-        num_blocks = budget // self.runner.bytes_per_block()
-        if num_blocks * config.block_size < self.max_model_len:
-            raise ValueError(
-                f"the KV budget of {budget / 2**20:.0f} MiB holds {num_blocks * config.block_size} tokens, fewer than "
-                f"max_model_len={self.max_model_len}: raise kv_cache_memory_bytes (or gpu_memory_utilization) "
-                "or lower max_model_len")
-        self.runner.allocate_kv_cache(num_blocks)
-        self.runner.warmup()
+        self.model_config.check_tensor_parallel(config.tensor_parallel_size, config.model)
+        config.resolve(rank_device(config, 0).type, self.max_model_len)
+        self.executor = Executor(config, self.model_config, self.max_model_len)
+        self.runner = self.executor.runner  # rank 0's
+        try:
+            num_blocks = self._size_kv_pool()
+            self.executor.warmup()
+        except BaseException:
+            self.executor.shutdown()
+            raise
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
         assert config.max_num_batched_tokens is not None  # set by resolve()
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens,
@@ -86,12 +86,33 @@ class LLMEngine:
         self.counters = EngineCounters(last_step_time=time.time())
         self._tracked: dict[str, _Tracked] = {}
         self.observers: list[EngineObserver] = []
-        log.info("kvfleet engine: %s (%s) on %s, %s; KV pool %d blocks x %d tokens = %d tokens "
-                 "(%.1f MiB), max_model_len %d, max concurrent full-length sequences %.1f",
-                 config.model, self.model_config.architecture, self.runner.device, self.runner.dtype,
-                 num_blocks, config.block_size, num_blocks * config.block_size,
+        log.info("kvfleet engine: %s (%s) on %s%s, %s; KV pool %d blocks x %d tokens = %d tokens "
+                 "(%.1f MiB a rank), max_model_len %d, max concurrent full-length sequences %.1f",
+                 config.model, self.model_config.architecture, self.runner.device,
+                 f" x {config.tensor_parallel_size} ranks" if config.tensor_parallel_size > 1 else "",
+                 self.runner.dtype, num_blocks, config.block_size, num_blocks * config.block_size,
                  num_blocks * self.runner.bytes_per_block() / 2**20, self.max_model_len,
                  num_blocks * config.block_size / self.max_model_len)
+
+    def _size_kv_pool(self) -> int:
+        """Rank 0 decides the number of blocks from the smallest rank's budget; every rank allocates it."""
+        budget = self.executor.kv_budget_bytes()
+        num_blocks = budget // self.runner.bytes_per_block()
+        if num_blocks * self.config.block_size < self.max_model_len:
+            raise ValueError(
+                f"the KV budget of {budget / 2**20:.0f} MiB holds {num_blocks * self.config.block_size} tokens, "
+                f"fewer than max_model_len={self.max_model_len}: raise kv_cache_memory_bytes (or "
+                "gpu_memory_utilization) or lower max_model_len")
+        self.executor.allocate_kv_cache(num_blocks)
+        return num_blocks
+
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel workers (if any); the engine cannot run steps afterwards."""
+        self.executor.shutdown()
+
+    def check_health(self) -> None:
+        """Raise if part of the engine (a tensor-parallel worker) has died."""
+        self.executor.check()
 
     def _max_model_len(self) -> int:
         mc = self.model_config
@@ -182,7 +203,7 @@ class LLMEngine:
             req = self.scheduler.requests[chunk.request_id]
             if req.first_scheduled_time is None:
                 req.first_scheduled_time = now
-        tokens, logprobs = self.runner.execute(plan)
+        tokens, logprobs = self.executor.execute(plan)
         advanced = self.scheduler.update(plan, tokens)
         now = time.monotonic()
         self.counters.last_step_time = time.time()

@@ -6,35 +6,42 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvfleet_agent.layers.linear import attach_loader, can_pack, linear, pack
+from kvfleet_agent.layers.linear import SINGLE, attach_loader, can_pack, linear, pack
+from kvfleet_agent.layers.weights import CheckpointTensor
+from kvfleet_agent.parallel.group import TPGroup
 
 
 class VocabParallelEmbedding(nn.Module):
-    """Embedding whose rows (the vocabulary) are split into one contiguous range per rank."""
+    """Embedding whose rows (the vocabulary) are split into one contiguous range per rank.
 
-    def __init__(self, vocab_size: int, hidden: int, tp_rank: int = 0, tp_size: int = 1) -> None:
+    The vocabulary need not divide by the group size: every rank's range is ceil(V / N) rows, and
+    the last rank's is cut short at V.
+    """
+
+    def __init__(self, vocab_size: int, hidden: int, tp: TPGroup = SINGLE) -> None:
         super().__init__()
-        self.tp_rank, self.tp_size = tp_rank, tp_size
+        self.tp = tp
         self.vocab_size = vocab_size
-        self.per_rank = -(-vocab_size // tp_size)
-        self.start = tp_rank * self.per_rank
+        self.per_rank = -(-vocab_size // tp.size)
+        self.start = tp.rank * self.per_rank
         rows = max(0, min(self.per_rank, vocab_size - self.start))
         self.weight = attach_loader(nn.Parameter(torch.empty(rows, hidden), requires_grad=False), self.load)
 
-    def load(self, param: nn.Parameter, loaded: torch.Tensor, shard: int | str | None = None) -> None:
-        if loaded.shape[0] != self.vocab_size or loaded.shape[1] != param.shape[1]:
-            raise ValueError(f"embedding tensor has shape {tuple(loaded.shape)}, config.json says "
+    def load(self, param: nn.Parameter, loaded: CheckpointTensor, shard: str | None = None) -> None:
+        if loaded.shape != (self.vocab_size, param.shape[1]):
+            raise ValueError(f"embedding tensor has shape {loaded.shape}, config.json says "
                              f"vocab_size={self.vocab_size}, hidden_size={param.shape[1]}")
         param.data.copy_(loaded.narrow(0, self.start, param.shape[0]))
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        if self.tp_size == 1:
+        if self.tp.size == 1:
             return F.embedding(ids, self.weight)
+        # Rows outside this rank's range come out zero; the all-reduce fills them from their owner
+        # (adding exact zeros, so the result is bit-identical to a single rank's lookup).
         local = ids - self.start
         outside = (local < 0) | (local >= self.weight.shape[0])
         out = F.embedding(local.masked_fill(outside, 0), self.weight).masked_fill_(outside[:, None], 0.0)
-        torch.distributed.all_reduce(out)
-        return out
+        return self.tp.all_reduce(out)
 
 
 class ParallelLMHead(VocabParallelEmbedding):
@@ -48,9 +55,8 @@ class ParallelLMHead(VocabParallelEmbedding):
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = linear(hidden, self.weight, packed=self.packed)
-        if self.tp_size == 1:
+        if self.tp.size == 1:
             return logits
-        parts = [torch.empty(hidden.shape[0], self.per_rank, dtype=logits.dtype, device=logits.device)
-                 for _ in range(self.tp_size)]
-        torch.distributed.all_gather(parts, F.pad(logits, (0, self.per_rank - logits.shape[1])))
+        # Each rank's slice is padded to the common width so the gather moves equal shapes.
+        parts = self.tp.all_gather(F.pad(logits, (0, self.per_rank - logits.shape[1])))
         return torch.cat(parts, dim=1)[:, :self.vocab_size]

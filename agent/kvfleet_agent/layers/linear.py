@@ -1,8 +1,10 @@
 """Linear layers that load their own weights from Hugging Face tensors, packed and shard-aware.
 
 Each parameter carries a `weight_loader`, so the checkpoint loader stays generic and a model file
-only declares which checkpoint names are packed together. Tensor parallelism shards along the
-output (column) or input (row) dimension; with tp_size 1 these are plain linears.
+only declares which checkpoint names are packed together. Tensor parallelism (Megatron style)
+shards along the output (column) or input (row) dimension: a column-parallel layer feeding a
+row-parallel one needs a single all-reduce, after the row-parallel matmul. Loaders read only this
+rank's rows or columns from the checkpoint. With a group of one these are plain linears.
 """
 
 from __future__ import annotations
@@ -13,7 +15,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-WeightLoader = Callable[[nn.Parameter, torch.Tensor, int | str | None], None]
+from kvfleet_agent.layers.weights import CheckpointTensor
+from kvfleet_agent.parallel.group import TPGroup
+
+WeightLoader = Callable[[nn.Parameter, CheckpointTensor, str | None], None]
+SINGLE = TPGroup()  # the default group: one rank, collectives are no-ops
 
 
 # On x86 CPUs oneDNN's fp32 inner product on a prepacked weight runs 2-2.5x faster than the MKL sgemm
@@ -48,10 +54,17 @@ def attach_loader(param: nn.Parameter, loader: WeightLoader) -> nn.Parameter:
     return param
 
 
+def split(size: int, tp: TPGroup, what: str) -> int:
+    """This rank's share of a dimension that must divide evenly across the group."""
+    if size % tp.size:
+        raise ValueError(f"tensor_parallel_size={tp.size} does not divide {what}={size}")
+    return size // tp.size
+
+
 class _Linear(nn.Module):
-    def __init__(self, in_features: int, out_features: int, bias: bool, tp_rank: int, tp_size: int) -> None:
+    def __init__(self, in_features: int, out_features: int, bias: bool, tp: TPGroup) -> None:
         super().__init__()
-        self.tp_rank, self.tp_size = tp_rank, tp_size
+        self.tp = tp
         self.weight = attach_loader(nn.Parameter(torch.empty(out_features, in_features), requires_grad=False),
                                     self.load)
         self.bias = (attach_loader(nn.Parameter(torch.empty(out_features), requires_grad=False), self.load)
@@ -62,14 +75,14 @@ class _Linear(nn.Module):
         """Prepack the loaded weight for the CPU fast path (call again after reloading weights)."""
         self.packed = pack(self.weight) if can_pack(self.weight) else None
 
-    def load(self, param: nn.Parameter, loaded: torch.Tensor, shard: int | str | None = None) -> None:
+    def load(self, param: nn.Parameter, loaded: CheckpointTensor, shard: str | None = None) -> None:
         raise NotImplementedError
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return linear(x, self.weight, self.bias, self.packed)
 
 
-def check_shape(loaded: torch.Tensor, expected: tuple[int, ...], name: str) -> None:
+def check_shape(loaded: torch.Tensor | CheckpointTensor, expected: tuple[int, ...], name: str) -> None:
     """Fail with both shapes named when a checkpoint tensor does not fit its parameter."""
     if tuple(loaded.shape) != expected:
         raise ValueError(f"checkpoint tensor for {name} has shape {tuple(loaded.shape)}, "
@@ -91,60 +104,62 @@ def _full(param: nn.Parameter, dim: int, size: int) -> tuple[int, ...]:
 class ColumnParallelLinear(_Linear):
     """y = xAᵀ with A's rows (outputs) split across ranks; no communication."""
 
-    def __init__(self, in_features: int, out_features: int, bias: bool = False,
-                 tp_rank: int = 0, tp_size: int = 1) -> None:
-        super().__init__(in_features, out_features // tp_size, bias, tp_rank, tp_size)
+    def __init__(self, in_features: int, out_features: int, bias: bool = False, tp: TPGroup = SINGLE) -> None:
+        super().__init__(in_features, split(out_features, tp, "out_features"), bias, tp)
 
-    def load(self, param: nn.Parameter, loaded: torch.Tensor, shard: int | str | None = None) -> None:
+    def load(self, param: nn.Parameter, loaded: CheckpointTensor, shard: str | None = None) -> None:
         n = param.shape[0]
         # Check the whole tensor before cutting this rank's share, or a too-large one would fit.
-        check_shape(loaded, _full(param, 0, n * self.tp_size), "a column-parallel layer")
-        _copy(param.data, loaded.narrow(0, self.tp_rank * n, n), "a column-parallel layer")
+        check_shape(loaded, _full(param, 0, n * self.tp.size), "a column-parallel layer")
+        _copy(param.data, loaded.narrow(0, self.tp.rank * n, n), "a column-parallel layer")
 
 
 class MergedColumnParallelLinear(_Linear):
     """Several column-parallel linears packed into one matmul (gate+up, or q+k+v)."""
 
-    def __init__(self, in_features: int, out_sizes: Sequence[int], bias: bool = False,
-                 tp_rank: int = 0, tp_size: int = 1, shard_names: Sequence[str] | None = None) -> None:
-        self.out_sizes = [s // tp_size for s in out_sizes]
+    def __init__(self, in_features: int, out_sizes: Sequence[int], bias: bool = False, tp: TPGroup = SINGLE,
+                 shard_names: Sequence[str] | None = None) -> None:
         self.shard_names = list(shard_names) if shard_names else [str(i) for i in range(len(out_sizes))]
-        super().__init__(in_features, sum(self.out_sizes), bias, tp_rank, tp_size)
+        # Each rank holds its slice of every packed part: [q_r; k_r; v_r], not a slice of [q; k; v].
+        self.out_sizes = [split(s, tp, f"the {name} part's size") for s, name in zip(out_sizes, self.shard_names,
+                                                                                  strict=True)]
+        super().__init__(in_features, sum(self.out_sizes), bias, tp)
 
-    def load(self, param: nn.Parameter, loaded: torch.Tensor, shard: int | str | None = None) -> None:
+    def load(self, param: nn.Parameter, loaded: CheckpointTensor, shard: str | None = None) -> None:
         idx = self.shard_names.index(str(shard))
         n = self.out_sizes[idx]
-        check_shape(loaded, _full(param, 0, n * self.tp_size), f"packed shard {shard}")
+        check_shape(loaded, _full(param, 0, n * self.tp.size), f"packed shard {shard}")
         dst = param.data.narrow(0, sum(self.out_sizes[:idx]), n)
-        _copy(dst, loaded.narrow(0, self.tp_rank * n, n), f"packed shard {shard}")
+        _copy(dst, loaded.narrow(0, self.tp.rank * n, n), f"packed shard {shard}")
 
 
 class QKVParallelLinear(MergedColumnParallelLinear):
     """Query, key and value projections in one matmul; heads split across ranks."""
 
     def __init__(self, hidden: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool = False,
-                 tp_rank: int = 0, tp_size: int = 1) -> None:
+                 tp: TPGroup = SINGLE) -> None:
+        # Whole heads per rank: split the head counts, not the rows, so a head is never cut in two.
+        split(num_heads, tp, "num_attention_heads")
+        split(num_kv_heads, tp, "num_key_value_heads")
         super().__init__(hidden, [num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim],
-                         bias, tp_rank, tp_size, shard_names=("q", "k", "v"))
+                         bias, tp, shard_names=("q", "k", "v"))
 
 
 class RowParallelLinear(_Linear):
     """y = xAᵀ with A's columns (inputs) split across ranks; the partial sums are all-reduced."""
 
-    def __init__(self, in_features: int, out_features: int, bias: bool = False,
-                 tp_rank: int = 0, tp_size: int = 1) -> None:
-        super().__init__(in_features // tp_size, out_features, bias, tp_rank, tp_size)
+    def __init__(self, in_features: int, out_features: int, bias: bool = False, tp: TPGroup = SINGLE) -> None:
+        super().__init__(split(in_features, tp, "in_features"), out_features, bias, tp)
 
-    def load(self, param: nn.Parameter, loaded: torch.Tensor, shard: int | str | None = None) -> None:
-        if param.dim() == 1:  # the bias is added once, not per rank's partial sum
-            _copy(param.data, loaded, "a row-parallel bias")
+    def load(self, param: nn.Parameter, loaded: CheckpointTensor, shard: str | None = None) -> None:
+        if param.dim() == 1:  # the bias is added once (by rank 0), not once per rank's partial sum
+            check_shape(loaded, tuple(param.shape), "a row-parallel bias")
+            param.data.copy_(loaded.read())
             return
         n = param.shape[1]
-        check_shape(loaded, _full(param, 1, n * self.tp_size), "a row-parallel weight")
-        _copy(param.data, loaded.narrow(1, self.tp_rank * n, n), "a row-parallel weight")
+        check_shape(loaded, _full(param, 1, n * self.tp.size), "a row-parallel weight")
+        _copy(param.data, loaded.narrow(1, self.tp.rank * n, n), "a row-parallel weight")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = linear(x, self.weight, self.bias if self.tp_rank == 0 else None, self.packed)
-        if self.tp_size > 1:
-            torch.distributed.all_reduce(y)
-        return y
+        y = linear(x, self.weight, self.bias if self.tp.rank == 0 else None, self.packed)
+        return self.tp.all_reduce(y)

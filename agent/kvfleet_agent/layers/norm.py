@@ -6,12 +6,13 @@ import torch
 from torch import nn
 
 from kvfleet_agent.layers.linear import attach_loader, check_shape
+from kvfleet_agent.layers.weights import CheckpointTensor
 from kvfleet_kernels import reference
 
 
-def _load(param: nn.Parameter, loaded: torch.Tensor, shard: int | str | None = None) -> None:
-    check_shape(loaded, tuple(param.shape), "a norm weight")
-    param.data.copy_(loaded)
+def _load(param: nn.Parameter, loaded: CheckpointTensor, shard: str | None = None) -> None:
+    check_shape(loaded, tuple(param.shape), "a norm weight")  # norms are replicated: every rank reads all
+    param.data.copy_(loaded.read())
 
 
 class RMSNorm(nn.Module):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 from dataclasses import dataclass
 from typing import Any
@@ -47,6 +48,22 @@ class ModelConfig:
     sliding_window: int | None
     torch_dtype: str
     eos_token_ids: tuple[int, ...]
+
+    def check_tensor_parallel(self, size: int, model: str) -> None:
+        """Fail unless every split dimension divides evenly into `size` ranks, naming the field and the sizes that work.
+
+        Heads are split whole (the KV cache is sharded by KV head), and so is the MLP's inner size.
+        The vocabulary need not divide: its last shard is simply shorter.
+        """
+        split = (("num_attention_heads", self.num_heads), ("num_key_value_heads", self.num_kv_heads),
+                 ("intermediate_size", self.intermediate_size))
+        for field, value in split:
+            if value % size:
+                common = math.gcd(*(v for _, v in split))
+                ok = [str(d) for d in range(1, common + 1) if common % d == 0][:8]
+                choices = ok[0] if len(ok) == 1 else f"{', '.join(ok[:-1])} or {ok[-1]}"
+                raise ValueError(f"tensor_parallel_size={size} does not divide {field}={value} of {model}; "
+                                 f"use {choices}")
 
     @classmethod
     def from_dir(cls, model_dir: str) -> ModelConfig:

@@ -10,24 +10,25 @@ from torch import nn
 
 from kvfleet_agent.layers.attention import AttentionMetadata, PagedAttention
 from kvfleet_agent.layers.embedding import ParallelLMHead, VocabParallelEmbedding
-from kvfleet_agent.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from kvfleet_agent.layers.linear import SINGLE, MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from kvfleet_agent.layers.norm import RMSNorm
 from kvfleet_agent.layers.rotary import RotaryEmbedding
 from kvfleet_agent.models.config import ModelConfig
+from kvfleet_agent.parallel.group import TPGroup
 
 
 class LlamaAttention(nn.Module):
     """Self-attention: packed QKV, rotary, paged attention, output projection."""
 
-    def __init__(self, cfg: ModelConfig, rope: RotaryEmbedding, tp_rank: int, tp_size: int) -> None:
+    def __init__(self, cfg: ModelConfig, rope: RotaryEmbedding, tp: TPGroup) -> None:
         super().__init__()
-        self.num_heads = cfg.num_heads // tp_size
-        self.num_kv_heads = cfg.num_kv_heads // tp_size
+        self.num_heads = cfg.num_heads // tp.size
+        self.num_kv_heads = cfg.num_kv_heads // tp.size
         self.head_dim = cfg.head_dim
         self.q_size, self.kv_size = self.num_heads * cfg.head_dim, self.num_kv_heads * cfg.head_dim
         self.qkv_proj = QKVParallelLinear(cfg.hidden_size, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads,
-                                          cfg.qkv_bias, tp_rank, tp_size)
-        self.o_proj = RowParallelLinear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, cfg.o_bias, tp_rank, tp_size)
+                                          cfg.qkv_bias, tp)
+        self.o_proj = RowParallelLinear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, cfg.o_bias, tp)
         self.rope = rope
         self.attn = PagedAttention(self.num_heads, self.num_kv_heads, cfg.head_dim)
 
@@ -44,12 +45,12 @@ class LlamaAttention(nn.Module):
 class LlamaMLP(nn.Module):
     """SwiGLU feed-forward with gate and up projections packed into one matmul."""
 
-    def __init__(self, cfg: ModelConfig, tp_rank: int, tp_size: int) -> None:
+    def __init__(self, cfg: ModelConfig, tp: TPGroup) -> None:
         super().__init__()
         n = cfg.intermediate_size
-        self.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size, [n, n], cfg.mlp_bias, tp_rank, tp_size,
+        self.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size, [n, n], cfg.mlp_bias, tp,
                                                        shard_names=("gate", "up"))
-        self.down_proj = RowParallelLinear(n, cfg.hidden_size, cfg.mlp_bias, tp_rank, tp_size)
+        self.down_proj = RowParallelLinear(n, cfg.hidden_size, cfg.mlp_bias, tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
@@ -60,10 +61,10 @@ class LlamaMLP(nn.Module):
 class LlamaDecoderLayer(nn.Module):
     """Pre-norm attention and MLP blocks with the residual carried alongside."""
 
-    def __init__(self, cfg: ModelConfig, rope: RotaryEmbedding, tp_rank: int, tp_size: int) -> None:
+    def __init__(self, cfg: ModelConfig, rope: RotaryEmbedding, tp: TPGroup) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(cfg, rope, tp_rank, tp_size)
-        self.mlp = LlamaMLP(cfg, tp_rank, tp_size)
+        self.self_attn = LlamaAttention(cfg, rope, tp)
+        self.mlp = LlamaMLP(cfg, tp)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -85,14 +86,14 @@ class LlamaForCausalLM(nn.Module):
     }
 
     def __init__(self, cfg: ModelConfig, max_positions: int, dtype: torch.dtype,
-                 tp_rank: int = 0, tp_size: int = 1) -> None:
+                 tp: TPGroup = SINGLE) -> None:
         super().__init__()
         self.cfg = cfg
         rope = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling, dtype)
-        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp_rank, tp_size)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, rope, tp_rank, tp_size) for _ in range(cfg.num_layers))
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, rope, tp) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, tp_rank, tp_size)
+        self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, tp)
         if cfg.tie_word_embeddings:  # one matrix serves as both embedding and head
             self.lm_head.weight = self.embed_tokens.weight
 

@@ -1,4 +1,9 @@
-"""Checkpoint loading: safetensors files (single or sharded with an index) into a model's parameters."""
+"""Checkpoint loading: safetensors files (single or sharded with an index) into a model's parameters.
+
+Tensors are handed to the weight loaders as lazy slices of the memory-mapped files, so a
+tensor-parallel rank reads only its own rows or columns and never holds a full copy of a sharded
+weight.
+"""
 
 from __future__ import annotations
 
@@ -9,6 +14,7 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
+from kvfleet_agent.layers.weights import CheckpointTensor
 from kvfleet_agent.models.config import read_json
 
 
@@ -37,12 +43,17 @@ def _shards_of(model: nn.Module, param_name: str) -> set[str | None]:
     return set(names) if names else {None}
 
 
-def load_weights(model: nn.Module, model_dir: str) -> None:
-    """Copy every checkpoint tensor into its parameter through that parameter's weight_loader."""
+def load_weights(model: nn.Module, model_dir: str) -> int:
+    """Copy every checkpoint tensor into its parameter through that parameter's weight_loader.
+
+    Returns the bytes read from the checkpoint (in the model's dtype): about 1/N of the model on
+    each of N tensor-parallel ranks, plus the small replicated tensors (norms, row-parallel biases).
+    """
     params = dict(model.named_parameters())
     expected = {name: _shards_of(model, name) for name in params}
     seen: dict[str, set[str | None]] = {name: set() for name in params}
     tied = getattr(getattr(model, "cfg", None), "tie_word_embeddings", False)
+    bytes_read = 0
     for path in checkpoint_files(model_dir):
         with safe_open(path, framework="pt") as f:
             for ckpt_name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
@@ -53,11 +64,14 @@ def load_weights(model: nn.Module, model_dir: str) -> None:
                 if param is None:
                     raise ValueError(f"{path} holds tensor {ckpt_name!r}, which this model has no place for: "
                                      "is config.json's architecture right?")
+                loaded = CheckpointTensor(f.get_slice(ckpt_name), param.dtype)
                 with torch.no_grad():
-                    param.weight_loader(param, f.get_tensor(ckpt_name).to(param.dtype), shard)  # type: ignore[attr-defined]
+                    param.weight_loader(param, loaded, shard)  # type: ignore[attr-defined]
+                bytes_read += loaded.bytes_read
                 seen[name].add(shard)
     missing = [f"{n} ({', '.join(sorted(str(s) for s in expected[n] - seen[n]))})" if expected[n] != {None} else n
                for n in params if expected[n] - seen[n]]
     if missing:
         raise ValueError(f"the checkpoint in {model_dir} lacks tensors for: {', '.join(missing[:8])}"
                          + (f" and {len(missing) - 8} more" if len(missing) > 8 else ""))
+    return bytes_read

@@ -52,6 +52,9 @@ async def serve(engine_config: EngineConfig, opts: ServeOptions) -> int:
 
         grpc_server, grpc_port = await start_grpc_server(llm, admission, opts.served_model_name, opts.host,
                                                          opts.grpc_port)
+    pids = llm.engine.executor.worker_pids()
+    if pids:  # machine-readable too: supervisors and tests can watch (or kill) the tensor-parallel ranks
+        print(f"kvfleet-agent workers: {' '.join(map(str, pids))}", flush=True)
     # One machine-readable line: tests and supervisors learn the real ports (0 means "any free one").
     print(f"kvfleet-agent ready: http://{opts.host}:{http_port} grpc={grpc_port} model={opts.served_model_name}",
           flush=True)
@@ -70,7 +73,8 @@ async def serve(engine_config: EngineConfig, opts: ServeOptions) -> int:
     if grpc_server is not None:
         await grpc_server.stop(grace=1.0)
     await runner.cleanup()
-    code = 0 if llm.error is None else 1  # after the drain: an engine that died meanwhile is a failure
+    # After the drain: an engine (or a tensor-parallel worker) that died meanwhile is a failure.
+    code = 0 if llm.error is None and llm.engine.executor.failure is None else 1
     log.info("kvfleet-agent stopped (exit %d)", code)
     return code
 
@@ -93,8 +97,8 @@ async def _drain(llm: AsyncLLM, admission: Admission, http: HTTPFrontend, grace_
 
 
 async def _watch_engine(llm: AsyncLLM, stop: asyncio.Event) -> None:
-    """Stop the process when the engine thread dies, so the pod restarts instead of hanging."""
+    """Stop the process when the engine thread (or a tensor-parallel worker) dies, so the pod restarts."""
     while llm.is_alive:
         await asyncio.sleep(1.0)
-    log.error("the engine thread died (%r); exiting", llm.error)
+    log.error("the engine died (%s); exiting", llm.error or llm.engine.executor.failure)
     stop.set()
