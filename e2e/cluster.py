@@ -28,7 +28,18 @@ from components import BUILD_SH, KUBERNETES_SERVICE_IP, find_bin_dir
 from errors import ApiError, ClusterError
 from gpu_nodes import GPU_LABEL, GPU_RESOURCE, GPU_TAINT, GPU_TOLERATION, NODE_PREFIX
 from pki import _Pki, make_cluster_certs, write_kubeconfig
-from procs import Proc, free_ports, pid_runs, read_pids, spawn, stop_run_dir, terminate_all, wait_until, write_pids
+from procs import (
+    Proc,
+    free_ports,
+    pid_runs,
+    private_dir,
+    read_pids,
+    spawn,
+    stop_run_dir,
+    terminate_all,
+    wait_until,
+    write_pids,
+)
 
 # Also re-exported from the helper modules, for test_cluster.py and other users of `from cluster import ...`.
 __all__ = ["BUILD_SH", "CONTEXT", "DEFAULT_RUN_DIR", "GPU_LABEL", "GPU_RESOURCE", "GPU_TAINT", "GPU_TOLERATION",
@@ -135,9 +146,10 @@ class LocalCluster:
         """Start every component, register the GPU nodes and wait until all are ready; clean up on failure."""
         t0 = time.monotonic()
         pids_file = self.run_dir / "pids.json"
-        if pids_file.exists() and any(pid_runs(p["pid"], p["argv0"]) for p in read_pids(pids_file)):
+        if pids_file.exists() and any(pid_runs(p["pid"], p["argv0"], p.get("started")) for p in read_pids(pids_file)):
             raise ClusterError(f"a cluster is already running in {self.run_dir}; stop it first (cluster.py down)")
         bin_dir = self.bin_dir  # resolve before making anything
+        private_dir(self.run_dir)  # keys, kubeconfigs and tokens live here
         self._ssl = None  # new certs below
         for sub in ("pki", "logs"):
             shutil.rmtree(self.run_dir / sub, ignore_errors=True)
@@ -376,7 +388,6 @@ def _cmd_up(args: argparse.Namespace) -> int:
     if bin_dir is None:
         print(f"control-plane binaries are not built; run `bash {BUILD_SH}` or pass --build", file=sys.stderr)
         return 2
-    run_dir.mkdir(parents=True, exist_ok=True)
     cluster = LocalCluster(run_dir, gpu_nodes=args.gpu_nodes, bin_dir=bin_dir, keep=True, timeout=args.timeout)
     try:
         cluster.start()

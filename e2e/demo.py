@@ -58,7 +58,6 @@ def main() -> int:
 
     step("starting the local control plane (etcd, kube-apiserver, controller-manager, scheduler, kwok GPU nodes, "
          "pod network, process kubelet)")
-    run_dir.mkdir(parents=True, exist_ok=True)
     cluster = LocalCluster(run_dir, gpu_nodes=2, bin_dir=bin_dir, keep=True)
     try:
         cluster.start()

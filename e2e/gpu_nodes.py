@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from errors import ClusterError
+from podspec import KWOK_AGENT_EXCLUSION
 
 # Fake GPU nodes: kwok manages nodes carrying this annotation; workloads need the GPU toleration.
 KWOK_ANNOTATION_KEY = "kwok.x-k8s.io/node"
@@ -21,9 +22,6 @@ GPU_TAINT: dict[str, str] = {"key": "nvidia.com/gpu", "value": "present", "effec
 GPU_TOLERATION: dict[str, str] = {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}
 NODE_PREFIX = "kvfleet-gpu-"
 
-# kwok leaves pods that run the agent to the process kubelet (kubelet.py): its pod stages get this
-# extra selector (a jq query over the pod: the first word of each container's command).
-AGENT_POD_EXCLUSION = {"key": ".spec.containers.[].command.[0]", "operator": "NotIn", "values": ["kvfleet-agent"]}
 NODE_IP = "10.249.0.1"  # InternalIP kwok reports for every fake node
 
 # kwok v0.8 has no built-in stages; these are the files kwokctl uses by default, read from the
@@ -114,7 +112,7 @@ def _with_agent_exclusion(stage: str) -> str:
     anchor = "    matchExpressions:\n"
     if anchor not in stage:
         raise ClusterError(f"kwok pod stage without a matchExpressions list; cannot exclude agent pods:\n{stage}")
-    rule = AGENT_POD_EXCLUSION
+    rule = KWOK_AGENT_EXCLUSION  # the pods the process kubelet runs (podspec.runs_agent)
     values = "".join(f"      - {v!r}\n" for v in rule["values"])
     lines = f"    - key: {rule['key']!r}\n      operator: {rule['operator']!r}\n      values:\n{values}"
     return stage.replace(anchor, anchor + lines, 1)

@@ -57,8 +57,10 @@ class KubeApi:
     async def watch(self, path: str, resource_version: str) -> AsyncIterator[dict[str, Any]]:
         """Watch events ({type, object}) from resource_version until the server ends the stream."""
         sep = "&" if "?" in path else "?"
-        url = f"{self.server}{path}{sep}watch=1&allowWatchBookmarks=true&resourceVersion={resource_version}"
-        timeout = aiohttp.ClientTimeout(total=None, sock_connect=10, sock_read=None)
+        # The server ends the watch after timeoutSeconds; a read timeout above that catches a half-open connection.
+        url = (f"{self.server}{path}{sep}watch=1&allowWatchBookmarks=true&timeoutSeconds=300"
+               f"&resourceVersion={resource_version}")
+        timeout = aiohttp.ClientTimeout(total=None, sock_connect=10, sock_read=330)
         async with self.session.get(url, timeout=timeout) as resp:
             if resp.status >= 400:
                 raise ApiStatusError(resp.status, await resp.text())

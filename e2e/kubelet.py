@@ -14,205 +14,23 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import ctypes
 import ipaddress
 import json
 import os
 import signal
-import subprocess
 import sys
-import time
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 import aiohttp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from kubeapi import ApiStatusError, KubeApi  # e2e/ is not a package
+from kubeapi import KubeApi  # e2e/ is not a package
 from netns import KUBELET_POD_CIDR
-from podspec import Probe, ProcessSpec, configmap_names, process_spec, runs_agent
+from pod_runner import RETRY_ERRORS, PodRunner
+from podspec import runs_agent
 
 READY_LINE = "kvfleet-kubelet ready"
-RESTART_BACKOFF_MAX_S = 10.0
-_PR_SET_PDEATHSIG = 1
-
-
-def _now() -> str:
-    return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
-
-
-def _die_with_parent() -> None:
-    """In the child before exec: SIGKILL when the kubelet dies, so no agent outlives it even on SIGKILL."""
-    ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-
-
-class PodRunner:
-    """One pod: its process, probes and status; restarts the container on exit or liveness failure."""
-
-    def __init__(self, kubelet: Kubelet, pod: dict[str, Any], ip: str) -> None:
-        self.kubelet, self.pod, self.ip = kubelet, pod, ip
-        meta = pod["metadata"]
-        self.namespace, self.name, self.uid = meta["namespace"], meta["name"], meta["uid"]
-        self.dir = kubelet.run_dir / "pods" / f"{self.namespace}_{self.name}_{self.uid[:8]}"
-        self.proc: subprocess.Popen[bytes] | None = None
-        self.restarts = 0
-        self.ready = False
-        self.last_exit: dict[str, Any] | None = None
-        self.started_at = _now()
-        self.task: asyncio.Task[None] | None = None
-        self.stopping = False
-
-    async def prepare(self) -> ProcessSpec:
-        """The process to run; ConfigMap volumes are read from the API now, like a kubelet's volume manager."""
-        configmaps: dict[str, dict[str, str]] = {}
-        for name in configmap_names(self.pod):
-            cm = await self.kubelet.api.request("GET", f"/api/v1/namespaces/{self.namespace}/configmaps/{name}")
-            configmaps[name] = cm.get("data", {})
-        spec = process_spec(self.pod, self.ip, self.kubelet.host_ip, self.dir, self.kubelet.run_dir,
-                            self.kubelet.base_env, configmaps, self.kubelet.max_probe_period)
-        for d in spec.dirs:
-            d.mkdir(parents=True, exist_ok=True)
-        for path, text in spec.files.items():
-            path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_text(text)
-        return spec
-
-    def _start(self, spec: ProcessSpec) -> None:
-        log = (self.dir / "agent.log").open("ab")
-        log.write(f"# {' '.join(spec.argv)}\n".encode())
-        log.flush()
-        self.proc = subprocess.Popen(spec.argv, env=spec.env, cwd=spec.cwd, stdout=log, stderr=subprocess.STDOUT,
-                                     stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent,
-                                     start_new_session=True)  # own group: TP workers are killed with it
-        log.close()
-        self.started_at = _now()
-        self.kubelet.record_pids()
-
-    def status(self) -> dict[str, Any]:
-        """The pod status this kubelet reports (phase Running once the process started)."""
-        container = self.pod["spec"]["containers"][0]
-        ready = "True" if self.ready else "False"
-        now = _now()
-        cs: dict[str, Any] = {
-            "name": container["name"], "image": container.get("image", ""), "imageID": "",
-            "containerID": f"process://{self.proc.pid if self.proc else 0}",
-            "ready": self.ready, "started": self.proc is not None, "restartCount": self.restarts,
-            "state": {"running": {"startedAt": self.started_at}},
-        }
-        if self.last_exit is not None:
-            cs["lastState"] = {"terminated": self.last_exit}
-        return {
-            "phase": "Running", "podIP": self.ip, "podIPs": [{"ip": self.ip}],
-            "hostIP": self.kubelet.host_ip, "hostIPs": [{"ip": self.kubelet.host_ip}], "startTime": self.started_at,
-            "conditions": [
-                {"type": "PodScheduled", "status": "True", "lastTransitionTime": now},
-                {"type": "Initialized", "status": "True", "lastTransitionTime": now},
-                {"type": "ContainersReady", "status": ready, "lastTransitionTime": now},
-                {"type": "Ready", "status": ready, "lastTransitionTime": now},
-            ],
-            "containerStatuses": [cs],
-        }
-
-    async def report(self) -> None:
-        try:
-            await self.kubelet.api.patch_status(self.namespace, self.name, self.status())
-        except ApiStatusError as exc:
-            if exc.status != 404:
-                print(f"status of {self.namespace}/{self.name}: {exc}", file=sys.stderr, flush=True)
-
-    async def run(self) -> None:
-        """Start, probe and restart until stopped."""
-        try:
-            spec = await self.prepare()
-        except (ValueError, OSError, ApiStatusError) as exc:
-            print(f"pod {self.namespace}/{self.name} cannot run here: {exc}", file=sys.stderr, flush=True)
-            container = self.pod["spec"]["containers"][0]
-            waiting = {"reason": "CreateContainerConfigError", "message": f"process kubelet: {exc}"}
-            with contextlib.suppress(ApiStatusError):
-                await self.kubelet.api.patch_status(self.namespace, self.name, {"containerStatuses": [{
-                    "name": container["name"], "image": container.get("image", ""), "imageID": "",
-                    "ready": False, "restartCount": 0, "state": {"waiting": waiting}}]})
-            return
-        backoff = 1.0
-        while not self.stopping:
-            self._start(spec)
-            await self.report()
-            reason = await self._supervise(spec)
-            if self.stopping:
-                return
-            await self._kill(grace=spec.grace_seconds if reason == "liveness" else 0.0)
-            self.restarts += 1
-            self.ready = False
-            await self.report()
-            print(f"pod {self.namespace}/{self.name}: container {reason}; restart {self.restarts} in {backoff:.0f}s",
-                  file=sys.stderr, flush=True)
-            await asyncio.sleep(backoff)  # CrashLoopBackOff, shortened
-            backoff = min(2 * backoff, RESTART_BACKOFF_MAX_S)
-
-    async def _supervise(self, spec: ProcessSpec) -> str:
-        """Probe until the process exits ("exited") or liveness fails ("liveness")."""
-        started = spec.startup is None
-        fails = {"startup": 0, "liveness": 0}
-        period = min(p.period for p in (spec.startup, spec.readiness, spec.liveness, Probe("/", 0, 1.0, 1, 0, 1))
-                     if p is not None)
-        while not self.stopping:
-            assert self.proc is not None
-            if (code := self.proc.poll()) is not None:
-                self.last_exit = {"exitCode": code, "reason": "Error" if code else "Completed", "finishedAt": _now(),
-                                  "startedAt": self.started_at}
-                return "exited"
-            if not started and spec.startup is not None:
-                if await self._probe(spec.startup):
-                    started = True
-                else:
-                    fails["startup"] += 1
-                    if fails["startup"] >= spec.startup.failure_threshold:
-                        return "liveness"
-            if started:
-                if spec.liveness is not None:
-                    fails["liveness"] = 0 if await self._probe(spec.liveness) else fails["liveness"] + 1
-                    if fails["liveness"] >= spec.liveness.failure_threshold:
-                        return "liveness"
-                ready = await self._probe(spec.readiness) if spec.readiness is not None else True
-                if ready != self.ready:
-                    self.ready = ready
-                    await self.report()
-            await asyncio.sleep(period)  # the probe period, not a synchronisation
-        return "stopped"
-
-    async def _probe(self, probe: Probe) -> bool:
-        url = f"http://{self.ip}:{probe.port}{probe.path}"
-        try:
-            async with self.kubelet.probe_session.get(url, timeout=aiohttp.ClientTimeout(total=probe.timeout)) as r:
-                return 200 <= r.status < 400
-        except (TimeoutError, aiohttp.ClientError, OSError):
-            return False
-
-    async def _kill(self, grace: float) -> None:
-        """SIGTERM the main process, wait up to grace, then SIGKILL its whole process group."""
-        proc = self.proc
-        if proc is None:
-            return
-        if proc.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                proc.send_signal(signal.SIGTERM)
-            deadline = time.monotonic() + grace
-            while proc.poll() is None and time.monotonic() < deadline:
-                await asyncio.sleep(0.05)
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(proc.pid, signal.SIGKILL)  # stragglers too (workers the agent started)
-        await asyncio.get_running_loop().run_in_executor(None, proc.wait)
-
-    async def stop(self, grace: float) -> None:
-        """Stop the container for good (pod deleted, or the kubelet shutting down)."""
-        self.stopping = True
-        if self.task is not None:
-            self.task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self.task
-        await self._kill(grace)
-        self.kubelet.record_pids()
 
 
 class Kubelet:
@@ -265,27 +83,45 @@ class Kubelet:
             runner.task = asyncio.create_task(runner.run())
 
     async def _terminate(self, kind: str, pod: dict[str, Any], runner: PodRunner | None) -> None:
-        """Stop the pod's process within its grace period, then finish the deletion (off the watch loop)."""
+        """Stop the pod's process within its grace period, then finish the deletion (off the watch loop).
+
+        Retried until the pod is gone: a pod left Terminating blocks rollouts and namespace deletion.
+        """
         meta = pod["metadata"]
         if runner is not None:
-            await runner.stop(float(meta.get("deletionGracePeriodSeconds") or 0))
+            grace = float(meta.get("deletionGracePeriodSeconds") or 0)
+            await runner.stop(grace, runner.pre_stop_seconds() if grace > 0 else 0.0)
             self.pods.pop(meta["uid"], None)
             self.record_pids()
-        if kind != "DELETED":
-            await self.api.delete_pod_now(meta["namespace"], meta["name"], meta["uid"])
+        backoff = 0.5
+        while kind != "DELETED":
+            try:
+                await self.api.delete_pod_now(meta["namespace"], meta["name"], meta["uid"])
+                return
+            except RETRY_ERRORS as exc:
+                print(f"finishing deletion of {meta['namespace']}/{meta['name']}: {exc}", file=sys.stderr, flush=True)
+                await asyncio.sleep(backoff)
+                backoff = min(2 * backoff, 10.0)
 
-    async def run(self, stop: asyncio.Event) -> None:
-        """List, then watch, until stop is set; relist when the watch expires."""
+    async def run(self, stop: asyncio.Event) -> int:
+        """List, then watch, until stop is set (0) or the watch loop fails for good (1)."""
         async with aiohttp.ClientSession() as self.probe_session:
             watcher = asyncio.create_task(self._watch_forever())
-            await stop.wait()
-            watcher.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await watcher
+            stopper = asyncio.create_task(stop.wait())
+            await asyncio.wait([watcher, stopper], return_when=asyncio.FIRST_COMPLETED)
+            code = 0
+            if watcher.done():
+                print(f"the watch loop ended: {watcher.exception()!r}", file=sys.stderr, flush=True)
+                code = 1
+            for task in (watcher, stopper):
+                task.cancel()
+                with contextlib.suppress(Exception, asyncio.CancelledError):
+                    await task
             await asyncio.gather(*(r.stop(min(r.pod["spec"].get("terminationGracePeriodSeconds", 30), 10.0))
-                                   for r in list(self.pods.values())))
+                                   for r in list(self.pods.values())), return_exceptions=True)
             self.pods.clear()
             self.record_pids()
+            return code
 
     async def _watch_forever(self) -> None:
         announced = False
@@ -306,19 +142,21 @@ class Kubelet:
                         await self.handle(event["type"], event["object"])
                     elif event["type"] == "ERROR":
                         break  # e.g. 410 Gone: relist
-            except (TimeoutError, aiohttp.ClientError, ApiStatusError) as exc:
-                print(f"watch: {exc}; relisting", file=sys.stderr, flush=True)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                print(f"watch: {exc!r}; relisting", file=sys.stderr, flush=True)
                 await asyncio.sleep(1.0)  # back off before relisting against a struggling API server
 
 
-async def _amain(args: argparse.Namespace) -> None:
+async def _amain(args: argparse.Namespace) -> int:
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     pki = Path(args.pki)
     async with KubeApi(args.server, pki / "ca.crt", pki / f"{args.user}.crt", pki / f"{args.user}.key") as api:
-        await Kubelet(api, Path(args.run_dir), args.node_annotation, args.max_probe_period).run(stop)
+        return await Kubelet(api, Path(args.run_dir), args.node_annotation, args.max_probe_period).run(stop)
 
 
 def main() -> int:
@@ -331,8 +169,7 @@ def main() -> int:
     parser.add_argument("--node-annotation", default="kwok.x-k8s.io/node=fake")
     parser.add_argument("--max-probe-period", type=float, default=1.0,
                         help="cap on probe periods, so tests need not wait production-sized intervals")
-    asyncio.run(_amain(parser.parse_args()))
-    return 0
+    return asyncio.run(_amain(parser.parse_args()))
 
 
 if __name__ == "__main__":

@@ -12,7 +12,7 @@ from typing import Any
 
 from cluster import ApiError, LocalCluster
 from kube_util import wait_for
-from procs import Proc, tail, terminate_all
+from procs import Proc, tail, terminate_all, write_secret
 
 REPO = Path(__file__).resolve().parent.parent
 NAMESPACE = "kvfleet-system"
@@ -59,8 +59,7 @@ def service_account_kubeconfig(cluster: LocalCluster) -> Path:
         "contexts": [{"name": "operator", "context": {"cluster": "local", "user": SERVICE_ACCOUNT}}],
     }
     path = cluster.run_dir / "operator.kubeconfig"
-    path.write_text(json.dumps(config))  # JSON is YAML
-    path.chmod(0o600)
+    write_secret(path, json.dumps(config))  # JSON is YAML
     return path
 
 

@@ -10,6 +10,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from errors import ClusterError
+from procs import write_secret
 
 
 class _Pki:
@@ -142,5 +143,4 @@ def write_kubeconfig(path: Path, server: str, context: str, ca_crt: Path, user: 
         current-context: {context}
         preferences: {{}}
         """)
-    path.write_text(text)
-    path.chmod(0o600)
+    write_secret(path, text)

@@ -12,7 +12,6 @@ namespace, so it adapts three things a real kubelet gets from the container runt
 
 from __future__ import annotations
 
-import os
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -23,11 +22,19 @@ AGENT_COMMAND = "kvfleet-agent"
 _VAR_REF = re.compile(r"\$\$|\$\(([A-Za-z_][A-Za-z0-9_.-]*)\)")
 
 
+# kwok's selector for the pods it must leave alone: the same rule as runs_agent, as a jq query.
+KWOK_AGENT_EXCLUSION = {"key": ".spec.containers.[0].command.[0]", "operator": "NotIn", "values": [AGENT_COMMAND]}
+
+
 def runs_agent(pod: Mapping[str, Any]) -> bool:
-    """Whether the pod's first container runs the kvfleet agent (its command's program is kvfleet-agent)."""
+    """Whether the pod's first container's command is exactly `kvfleet-agent` (resolved on the kubelet's PATH).
+
+    Exactly that word, no path: the process kubelet runs only the agent installed beside it, never an
+    arbitrary host binary a pod names, and kwok's selector (KWOK_AGENT_EXCLUSION) uses the same rule.
+    """
     containers = pod.get("spec", {}).get("containers") or [{}]
     command = containers[0].get("command") or [""]
-    return os.path.basename(str(command[0])) == AGENT_COMMAND
+    return bool(command[0] == AGENT_COMMAND)
 
 
 def expand(value: str, env: Mapping[str, str]) -> str:
@@ -86,18 +93,28 @@ class ProcessSpec:
     readiness: Probe | None = None
     liveness: Probe | None = None
     grace_seconds: float = 30.0
+    restart_policy: str = "Always"
+    pre_stop_sleep: float = 0.0  # lifecycle.preStop.sleep: before SIGTERM, within the grace period
 
 
-def _probe(spec: Mapping[str, Any] | None, ports: Mapping[str, int], max_period: float) -> Probe | None:
-    if not spec or "httpGet" not in spec:
+def _probe(kind: str, spec: Mapping[str, Any] | None, ports: Mapping[str, int], max_period: float) -> Probe | None:
+    """An httpGet probe with its period capped at max_period; the failure budget (period × threshold) is kept."""
+    if not spec:
         return None
+    if "httpGet" not in spec:
+        raise ValueError(f"{kind}: only httpGet probes are supported by the process kubelet, not {sorted(spec)}")
     get = spec["httpGet"]
+    if get.get("scheme", "HTTP") != "HTTP" or get.get("host"):
+        raise ValueError(f"{kind}: httpGet with scheme or host is not supported by the process kubelet")
     port = get.get("port", 80)
-    port = ports[port] if isinstance(port, str) else int(port)
-    return Probe(path=get.get("path", "/"), port=port,
-                 period=min(float(spec.get("periodSeconds", 10)), max_period),
-                 failure_threshold=int(spec.get("failureThreshold", 3)),
-                 initial_delay=min(float(spec.get("initialDelaySeconds", 0)), max_period),
+    if isinstance(port, str) and port not in ports:
+        raise ValueError(f"{kind}: the container has no port named {port!r}")
+    period = float(spec.get("periodSeconds", 10))
+    capped = min(period, max_period)
+    threshold = int(spec.get("failureThreshold", 3))
+    return Probe(path=get.get("path", "/"), port=ports[port] if isinstance(port, str) else int(port),
+                 period=capped, failure_threshold=max(threshold, round(threshold * period / capped)),
+                 initial_delay=float(spec.get("initialDelaySeconds", 0)),
                  timeout=float(spec.get("timeoutSeconds", 1)))
 
 
@@ -152,10 +169,15 @@ def process_spec(pod: Mapping[str, Any], pod_ip: str, host_ip: str, pod_dir: Pat
     mounts.sort(key=lambda mp: len(mp[0]), reverse=True)  # the most specific mount wins
 
     def local(value: str) -> str:
+        """A path under a mount → the directory behind it; also after `@` (args file) and in `--flag=PATH`."""
+        prefix, _, rest = value.rpartition("=") if value.startswith("--") and "=" in value else ("", "", value)
+        at = "@" if rest.startswith("@") else ""
+        path = rest[len(at):]
         for mount_path, directory in mounts:
-            if value == mount_path or value.startswith(mount_path + "/"):
-                return str(directory) + value[len(mount_path):]
-        return value
+            if path == mount_path or path.startswith(mount_path + "/"):
+                path = str(directory) + path[len(mount_path):]
+                break
+        return f"{prefix}{'=' if prefix else ''}{at}{path}"
 
     env: dict[str, str] = {"HOME": str(pod_dir), "HOSTNAME": pod["metadata"]["name"]}
     env.update(base_env)
@@ -165,7 +187,7 @@ def process_spec(pod: Mapping[str, Any], pod_ip: str, host_ip: str, pod_dir: Pat
             if ref is None:
                 raise ValueError(f"env {var['name']}: only fieldRef valueFrom is supported by the process kubelet")
             env[var["name"]] = field_ref(pod, ref["fieldPath"], pod_ip, host_ip)
-        else:
+        elif var["name"] != "PATH":  # the kubelet's PATH finds kvfleet-agent; a pod cannot redirect it
             env[var["name"]] = local(expand(var.get("value", ""), env))
     env["KVFLEET_HOST"] = pod_ip  # see the module docstring: 0.0.0.0 would be shared by every pod here
     for mount_path, directory in mounts:
@@ -185,8 +207,10 @@ def process_spec(pod: Mapping[str, Any], pod_ip: str, host_ip: str, pod_dir: Pat
         argv=argv, env=env, cwd=pod_dir,
         dirs=sorted({d for d in vol_dirs.values() if d.is_relative_to(pod_dir)} | {pod_dir}),
         files=files,
-        startup=_probe(container.get("startupProbe"), ports, max_period),
-        readiness=_probe(container.get("readinessProbe"), ports, max_period),
-        liveness=_probe(container.get("livenessProbe"), ports, max_period),
+        startup=_probe("startupProbe", container.get("startupProbe"), ports, max_period),
+        readiness=_probe("readinessProbe", container.get("readinessProbe"), ports, max_period),
+        liveness=_probe("livenessProbe", container.get("livenessProbe"), ports, max_period),
+        restart_policy=pod["spec"].get("restartPolicy", "Always"),
+        pre_stop_sleep=float(container.get("lifecycle", {}).get("preStop", {}).get("sleep", {}).get("seconds", 0)),
         grace_seconds=float(grace),
     )

@@ -34,6 +34,23 @@ def free_ports(n: int) -> list[int]:
             s.close()
 
 
+def private_dir(path: Path) -> Path:
+    """Create path (0700) or accept it only if it is ours; tighten it to 0700 (it will hold keys and tokens)."""
+    path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    if path.stat().st_uid != os.getuid():
+        raise ClusterError(f"{path} belongs to another user; choose another run dir")
+    path.chmod(0o700)
+    return path
+
+
+def write_secret(path: Path, text: str) -> None:
+    """Write a file readable only by us from its first byte (no window at the umask's mode)."""
+    path.unlink(missing_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+
+
 def tail(path: Path, lines: int = LOG_TAIL_LINES) -> str:
     """The last lines of a log file, or a note that it does not exist."""
     try:
@@ -52,15 +69,27 @@ def pid_alive(pid: int) -> bool:
     return stat.rsplit(")", 1)[-1].split()[0] != "Z"
 
 
-def pid_runs(pid: int, exe: str) -> bool:
-    """Whether pid is alive and still runs exe (guards against pid reuse)."""
+def start_ticks(pid: int) -> int | None:
+    """The process's start time (clock ticks since boot, /proc/PID/stat field 22): with the pid, a unique key."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return int(stat.rsplit(")", 1)[-1].split()[19])
+
+
+def pid_runs(pid: int, exe: str, started: int | None = None) -> bool:
+    """Whether pid is alive and still the process we started: same argv[0] and, when recorded, same start time.
+
+    argv[0] alone is not enough for our Python helpers (they all run the same interpreter).
+    """
     if not pid_alive(pid):
         return False
     try:
         argv0 = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0", 1)[0].decode(errors="replace")
     except OSError:
         return False
-    return argv0 == exe
+    return argv0 == exe and (started is None or start_ticks(pid) == started)
 
 
 @dataclass
@@ -72,12 +101,13 @@ class Proc:
     log: Path
     pid: int
     popen: subprocess.Popen[bytes] | None = field(default=None, repr=False)
+    started: int | None = None  # start_ticks(pid), to tell it from a later process with the same pid
 
     def alive(self) -> bool:
         """Whether it still runs (reaping it if it is our child)."""
         if self.popen is not None:
             return self.popen.poll() is None
-        return pid_runs(self.pid, self.argv[0])
+        return pid_runs(self.pid, self.argv[0], self.started)
 
 
 def spawn(run_dir: Path, name: str, argv: list[str], env: dict[str, str] | None = None,
@@ -94,12 +124,13 @@ def spawn(run_dir: Path, name: str, argv: list[str], env: dict[str, str] | None 
         # Own session: Ctrl-C in the terminal of `cluster.py up` does not reach the components.
         popen = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                  cwd=run_dir, start_new_session=True, env=env)
-    return Proc(name, record_argv or argv, log, popen.pid, popen)
+    return Proc(name, record_argv or argv, log, popen.pid, popen, start_ticks(popen.pid))
 
 
 def write_pids(path: Path, procs: Sequence[Proc]) -> None:
     """Record procs (name, pid, argv0, log) in a pids.json file, for `cluster.py down` in another process."""
-    entries = [{"name": p.name, "pid": p.pid, "argv0": p.argv[0], "log": str(p.log)} for p in procs]
+    entries = [{"name": p.name, "pid": p.pid, "argv0": p.argv[0], "started": p.started, "log": str(p.log)}
+               for p in procs]
     path.write_text(json.dumps(entries, indent=1) + "\n")
 
 
@@ -161,7 +192,8 @@ def terminate_all(procs: Sequence[Proc], grace: float) -> None:
 def stop_run_dir(run_dir: Path, keep: bool = False, grace: float = 10.0) -> list[str]:
     """Stop the processes recorded in run_dir/pids.json (only those still running their binary); returns names."""
     pids_file = run_dir / "pids.json"
-    procs = [Proc(e["name"], [e["argv0"]], Path(e.get("log", "")), int(e["pid"])) for e in read_pids(pids_file)]
+    procs = [Proc(e["name"], [e["argv0"]], Path(e.get("log", "")), int(e["pid"]), started=e.get("started"))
+             for e in read_pids(pids_file)]
     live = [p for p in procs if p.alive()]
     terminate_all(live, grace)
     if pids_file.exists():

@@ -140,7 +140,7 @@ def test_a_crashed_agent_is_restarted(cluster: LocalCluster, namespace: str, age
         return p if cs["restartCount"] == 1 and is_running_ready(p) else None
 
     p = wait_for("the agent restarted and Ready", restarted, timeout=AGENT_START_S)
-    assert p["status"]["containerStatuses"][0]["lastState"]["terminated"]["exitCode"] == -signal.SIGKILL
+    assert p["status"]["containerStatuses"][0]["lastState"]["terminated"]["exitCode"] == 128 + signal.SIGKILL
     assert not pid_alive(pid) and pid_alive(agent_pid(cluster, p))
     assert complete_inside(cluster, p["status"]["podIP"])["usage"]["completion_tokens"] == 4
 

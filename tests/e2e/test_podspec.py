@@ -1,0 +1,77 @@
+"""How the process kubelet turns a pod spec into a local process (e2e/podspec.py): pure, no cluster."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "e2e"))
+from podspec import KWOK_AGENT_EXCLUSION, expand, process_spec, runs_agent
+
+IP, HOST_IP = "10.250.128.7", "10.249.0.1"
+
+
+def pod(container: dict[str, Any], **spec: Any) -> dict[str, Any]:
+    base = {"name": "agent", "image": "x", "command": ["kvfleet-agent"], "args": ["serve"]}
+    return {"metadata": {"name": "p", "namespace": "ns", "uid": "u-1"},
+            "spec": {"containers": [{**base, **container}], **spec}}
+
+
+def translate(p: dict[str, Any], tmp_path: Path, **kw: Any) -> Any:
+    return process_spec(p, IP, HOST_IP, tmp_path / "pod", tmp_path, {"PATH": "/venv/bin"}, **kw)
+
+
+def test_only_the_agent_command_itself_is_run() -> None:
+    assert runs_agent(pod({}))
+    assert not runs_agent(pod({"command": ["/usr/bin/kvfleet-agent"]}))  # no host binaries by path
+    assert not runs_agent(pod({"command": ["python", "-m", "kvfleet_agent"]}))
+    assert not runs_agent({"spec": {"containers": [{"name": "c", "image": "x"}]}})
+    assert KWOK_AGENT_EXCLUSION["values"] == ["kvfleet-agent"]  # kwok skips exactly these
+
+
+def test_var_expansion_follows_kubernetes() -> None:
+    env = {"A": "1"}
+    assert expand("$(A)-$(B)-$$(A)", env) == "1-$(B)-$(A)"
+
+
+def test_agents_bind_their_pod_ip_and_mount_paths_are_rewritten(tmp_path: Path) -> None:
+    model = tmp_path / "models" / "tiny"
+    p = pod({"args": ["serve", "--model", "/models/tiny", "--host", "0.0.0.0", "--config=/etc/kv/c.yaml",
+                      "@/etc/kv/extra-args", "--cache", "/data/x"],
+             "env": [{"name": "KVFLEET_HOST", "value": "0.0.0.0"}, {"name": "PATH", "value": "/evil"},
+                     {"name": "NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}}],
+             "volumeMounts": [{"name": "m", "mountPath": "/models/tiny"}, {"name": "cfg", "mountPath": "/etc/kv"},
+                              {"name": "claim", "mountPath": "/data", "subPath": "sub"}]},
+            volumes=[{"name": "m", "hostPath": {"path": str(model)}}, {"name": "cfg", "configMap": {"name": "c"}},
+                     {"name": "claim", "persistentVolumeClaim": {"claimName": "models"}}])
+    spec = translate(p, tmp_path, configmaps={"c": {"extra-args": "--seed\n1\n"}})
+    cfg = tmp_path / "pod" / "volumes" / "cfg"
+    assert spec.argv == ["kvfleet-agent", "serve", "--model", str(model), "--host", IP, f"--config={cfg}/c.yaml",
+                         f"@{cfg}/extra-args", "--cache", str(tmp_path / "pvc" / "ns" / "models" / "sub" / "x")]
+    assert spec.env["KVFLEET_HOST"] == IP and spec.env["PATH"] == "/venv/bin" and spec.env["NAME"] == "p"
+    assert spec.files == {cfg / "extra-args": "--seed\n1\n"}
+
+
+def test_probe_periods_are_capped_but_keep_their_failure_budget(tmp_path: Path) -> None:
+    p = pod({"ports": [{"name": "http", "containerPort": 8000}],
+             "livenessProbe": {"httpGet": {"path": "/health", "port": "http"}, "periodSeconds": 10,
+                               "failureThreshold": 6},
+             "startupProbe": {"httpGet": {"path": "/health", "port": 8000}, "periodSeconds": 10,
+                              "failureThreshold": 360}},
+            restartPolicy="OnFailure", terminationGracePeriodSeconds=45)
+    spec = translate(p, tmp_path, max_period=1.0)
+    assert spec.liveness is not None and spec.startup is not None
+    assert (spec.liveness.port, spec.liveness.period, spec.liveness.failure_threshold) == (8000, 1.0, 60)
+    assert spec.startup.failure_threshold == 3600  # 3600 s to start, as the pod asked
+    assert spec.readiness is None and spec.restart_policy == "OnFailure" and spec.grace_seconds == 45
+
+
+@pytest.mark.parametrize("probe", [{"exec": {"command": ["true"]}}, {"tcpSocket": {"port": 8000}},
+                                   {"httpGet": {"path": "/", "port": "nope"}},
+                                   {"httpGet": {"path": "/", "port": 1, "scheme": "HTTPS"}}])
+def test_unsupported_probes_are_refused_not_ignored(tmp_path: Path, probe: dict[str, Any]) -> None:
+    with pytest.raises(ValueError, match="readinessProbe"):
+        translate(pod({"readinessProbe": probe}), tmp_path)
