@@ -1,0 +1,109 @@
+"""Each op runs its Triton kernel on CUDA tensors and its PyTorch reference elsewhere (reference.py's signatures)."""
+
+import importlib
+import importlib.util
+import os
+from types import ModuleType
+from typing import cast
+
+import torch
+
+from kvfleet_kernels import reference
+from kvfleet_kernels.reference import decode_plan, gather_kv  # step metadata and a test helper: no kernel
+
+__all__ = ["FORCE_ENV", "add_rms_norm", "backend", "causal_attention", "decode_plan", "gather_kv", "interpreting",
+           "kernel_module", "paged_decode_attention", "paged_prefill_attention", "planned_decode_attention", "rms_norm",
+           "rotary", "write_kv"]
+
+# KVFLEET_FORCE_TRITON=1 runs the Triton kernels on CPU tensors too, in Triton's interpreter, which the process
+# must have chosen before importing triton (TRITON_INTERPRET=1 in its environment: Triton's own tl.* helpers are
+# compiled or interpreted from then on). KVFLEET_FORCE_TRITON=0 keeps the reference on CUDA, for A/B runs.
+# Both are read at every call.
+FORCE_ENV = "KVFLEET_FORCE_TRITON"
+HAS_TRITON = importlib.util.find_spec("triton") is not None
+TRITON_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def interpreting() -> bool:
+    """Whether TRITON_INTERPRET asks for Triton's interpreter (the values Triton itself accepts as true)."""
+    return os.environ.get("TRITON_INTERPRET", "").lower() in ("1", "true", "on", "yes")
+
+
+def backend(x: torch.Tensor) -> str:
+    """What the ops run for tensors like x: 'triton' (compiled, CUDA), 'interpreter' (CPU, forced) or 'reference'."""
+    force = os.environ.get(FORCE_ENV, "")
+    if not HAS_TRITON or force == "0" or x.dtype not in TRITON_DTYPES:
+        return "reference"
+    if x.is_cuda:
+        return "triton"
+    if force != "1" or x.device.type != "cpu":
+        return "reference"
+    if not interpreting():
+        raise RuntimeError(f"{FORCE_ENV}=1 with CPU tensors runs Triton's interpreter: start the process with "
+                           "TRITON_INTERPRET=1 (Triton reads it when triton is first imported)")
+    return "interpreter"
+
+
+def kernel_module(name: str) -> ModuleType:
+    """kvfleet_kernels.<name> ('paged_attention', 'kv_write' or 'fused'), imported on first use (it imports triton)."""
+    return importlib.import_module(f"kvfleet_kernels.{name}")
+
+
+def _kernels(name: str, x: torch.Tensor) -> ModuleType | None:
+    return None if backend(x) == "reference" else kernel_module(name)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    if (ops := _kernels("fused", x)) is None:
+        return reference.rms_norm(x, weight, eps)
+    return cast(torch.Tensor, ops.rms_norm(x, weight, eps))
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    if (ops := _kernels("fused", x)) is None:
+        return reference.add_rms_norm(x, residual, weight, eps)
+    return cast(tuple[torch.Tensor, torch.Tensor], ops.add_rms_norm(x, residual, weight, eps))
+
+
+def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    if (ops := _kernels("fused", x)) is None:
+        return reference.rotary(x, cos, sin)
+    return cast(torch.Tensor, ops.rotary(x, cos, sin))
+
+
+def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    if (ops := _kernels("kv_write", k)) is None:
+        reference.write_kv(k_cache, v_cache, k, v, slot_mapping)
+    else:
+        ops.write_kv(k_cache, v_cache, k, v, slot_mapping)
+
+
+def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
+                           max_seq_len: int | None = None) -> torch.Tensor:
+    if (ops := _kernels("paged_attention", q)) is None:
+        return reference.paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, max_seq_len)
+    return cast(torch.Tensor,
+                ops.paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, max_seq_len))
+
+
+def planned_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                             flat_block_index: torch.Tensor, valid: torch.Tensor, scale: float) -> torch.Tensor:
+    if (ops := _kernels("paged_attention", q)) is None:
+        return reference.planned_decode_attention(q, k_cache, v_cache, flat_block_index, valid, scale)
+    return cast(torch.Tensor, ops.planned_decode_attention(q, k_cache, v_cache, flat_block_index, valid, scale))
+
+
+def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                            block_table: torch.Tensor, seq_len: int, scale: float) -> torch.Tensor:
+    if (ops := _kernels("paged_attention", q)) is None:
+        return reference.paged_prefill_attention(q, k_cache, v_cache, block_table, seq_len, scale)
+    return cast(torch.Tensor, ops.paged_prefill_attention(q, k_cache, v_cache, block_table, seq_len, scale))
+
+
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    if (ops := _kernels("paged_attention", q)) is None:
+        return reference.causal_attention(q, k, v, scale)
+    return cast(torch.Tensor, ops.causal_attention(q, k, v, scale))
