@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from kvfleet_kernels import reference
+from kvfleet_kernels import dispatch as reference  # Triton on CUDA, the PyTorch reference elsewhere
 
 
 @dataclass(slots=True)

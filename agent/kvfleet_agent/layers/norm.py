@@ -7,7 +7,7 @@ from torch import nn
 
 from kvfleet_agent.layers.linear import attach_loader, check_shape
 from kvfleet_agent.layers.weights import CheckpointTensor
-from kvfleet_kernels import reference
+from kvfleet_kernels import dispatch as reference  # Triton on CUDA, the PyTorch reference elsewhere
 
 
 def _load(param: nn.Parameter, loaded: CheckpointTensor, shard: str | None = None) -> None:

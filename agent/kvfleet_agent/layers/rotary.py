@@ -8,7 +8,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from kvfleet_kernels import reference
+from kvfleet_kernels import dispatch as reference  # Triton on CUDA, the PyTorch reference elsewhere
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
