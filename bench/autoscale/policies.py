@@ -1,0 +1,138 @@
+"""The policies compared: kvfleet's real decision function, and ports of the HPA and KubeAI algorithms."""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+
+from simulator import Fleet
+
+from kvfleet_operator.autoscaler import (
+    AutoscalerState,
+    AutoscalingPolicy,
+    Behavior,
+    Decision,
+    Observation,
+    Recommendation,
+    ScaleEvent,
+    ScalingPolicy,
+    ScalingRules,
+    decide,
+    rate_limit,
+    stabilize,
+)
+from kvfleet_operator.scrape import MetricsWindow
+
+
+class Kvfleet:
+    """kvfleet_operator.autoscaler.decide() fed through MetricsWindow, as the operator's timer would do."""
+
+    def __init__(self, policy: AutoscalingPolicy, interval: float = 15.0, window_s: float = 60.0) -> None:
+        self.name, self.interval, self.policy = "kvfleet", interval, policy
+        self.window = MetricsWindow(window_s)
+        self.state = AutoscalerState()
+        self.decisions: list[Decision] = []
+
+    def tick(self, now: float, fleet: Fleet) -> int:
+        snaps = fleet.scrape(now)
+        self.window.update(snaps, live={s.pod for s in snaps}, now=now)
+        latency = {t.source: self.window.latency(t.metric, t.percentile / 100) for t in self.policy.latency_targets}
+        ready = len(fleet.ready_pods())
+        obs = Observation(now, fleet.spec, ready, len(fleet.pods) - ready, len(snaps),
+                          queue_depth=self.window.queue_depth(), queue_depth_mean=self.window.mean_queue_depth(),
+                          latency=latency, new_startup_durations=fleet.take_startups(),
+                          starting_ages=fleet.starting_ages(now))
+        d = decide(self.policy, obs, self.state)
+        self.state = d.state
+        self.decisions.append(d)
+        return d.desired_replicas
+
+
+# HPA's defaults (pkg/apis/autoscaling/v2/defaults.go): up max(100%, 4 pods)/15 s, no window; down 100%/15 s
+# after a 300 s window.
+HPA_BEHAVIOR = Behavior(ScalingRules(0, (ScalingPolicy("Percent", 100, 15), ScalingPolicy("Pods", 4, 15))),
+                        ScalingRules(300, (ScalingPolicy("Percent", 100, 15),)))
+
+
+class Hpa:
+    """Kubernetes HPA v2 on a Pods metric (waiting + running per pod, AverageValue target), sync every 15 s.
+
+    replica_calculator.go's calcPlainMetricReplicas: readiness is ignored for non-CPU metrics, so a pod that
+    reports counts whatever it is; a loading pod (the agent serves /metrics only once loaded) is a *missing*
+    pod: on scale-up it counts as 0, on scale-down as exactly the target, and no change if that flips the
+    direction. The metric is read fresh at each sync (Prometheus and the adapter add delay in practice: this
+    favours the HPA). Stabilization and rate limits are the same HPA semantics kvfleet's decide() uses.
+    """
+
+    def __init__(self, target: float, min_replicas: int, max_replicas: int, tolerance: float = 0.1) -> None:
+        self.name, self.interval = "hpa", 15.0
+        self.target, self.min, self.max, self.tolerance = target, min_replicas, max_replicas, tolerance
+        self.recs: tuple[Recommendation, ...] = ()
+        self.events: tuple[ScaleEvent, ...] = ()
+
+    def _metric_replicas(self, fleet: Fleet) -> int | None:
+        current = fleet.spec
+        values = [float(p.load) for p in fleet.pods if p.ready]
+        missing = len(fleet.pods) - len(values)
+        if not values:
+            return None  # "did not receive metrics for targeted pods": the HPA does not scale
+        ratio = sum(values) / len(values) / self.target
+        if missing == 0:
+            return current if abs(ratio - 1) <= self.tolerance else math.ceil(ratio * len(values))
+        filled = values + [0.0 if ratio >= 1 else self.target] * missing
+        new_ratio = sum(filled) / len(filled) / self.target
+        if abs(new_ratio - 1) <= self.tolerance or (ratio < 1 < new_ratio) or (ratio > 1 > new_ratio):
+            return current
+        n = math.ceil(new_ratio * len(filled))
+        return current if (new_ratio < 1 and n > current) or (new_ratio > 1 and n < current) else n
+
+    def tick(self, now: float, fleet: Fleet) -> int:
+        current = fleet.spec
+        raw = self._metric_replicas(fleet)
+        if raw is None:
+            return current
+        if not self.recs:  # maybeInitScaleDownStabilizationWindow
+            self.recs = (Recommendation(now, current),)
+        up, down = HPA_BEHAVIOR.scale_up, HPA_BEHAVIOR.scale_down
+        stabilized = stabilize(current, raw, self.recs, up, down, now)
+        self.recs = (*(r for r in self.recs if r.time > now - 300), Recommendation(now, raw))
+        desired = min(max(rate_limit(current, stabilized, self.events, up, down, now), self.min), self.max)
+        self.events = tuple(e for e in self.events if e.time > now - 15)
+        if desired != current:
+            self.events = (*self.events, ScaleEvent(now, desired - current))
+        return desired
+
+
+class KubeAI:
+    """KubeAI's model autoscaler (internal/modelautoscaler, modelclient.Scale), defaults of its chart.
+
+    Every 10 s: the sum of in-flight requests across the model's pods goes into a simple moving average of
+    timeWindow/interval = 600 s / 10 s = 60 samples; desired = ceil(average / targetRequests) within
+    [min, max]. A scale-down happens only after ceil(scaleDownDelaySeconds / interval) = 3 lower results
+    in a row; the counter resets on a result that is not lower, and (as in KubeAI) not after a scale-down.
+    No rate limits. The average starts full of the first observation (KubeAI keeps it in a ConfigMap across
+    restarts, so a long-running autoscaler has a full window), not of zeros.
+    """
+
+    def __init__(self, target: float, min_replicas: int, max_replicas: int, interval: float = 10.0,
+                 time_window: float = 600.0, scale_down_delay: float = 30.0) -> None:
+        self.name, self.interval = "kubeai", interval
+        self.target, self.min, self.max = target, min_replicas, max_replicas
+        self.history: deque[float] = deque(maxlen=math.ceil(time_window / interval))
+        self.required = math.ceil(scale_down_delay / interval)
+        self.consecutive = 0
+
+    def tick(self, now: float, fleet: Fleet) -> int:
+        active = float(sum(p.load for p in fleet.pods if p.ready))
+        if not self.history:
+            self.history.extend([active] * (self.history.maxlen or 1))
+        self.history.append(active)
+        desired = min(max(math.ceil(sum(self.history) / len(self.history) / self.target), self.min), self.max)
+        current = fleet.spec
+        if current > desired:
+            if self.consecutive < self.required:
+                self.consecutive += 1
+                return current
+        else:
+            self.consecutive = 0
+        return desired

@@ -1,0 +1,127 @@
+"""Scores of a run (SLO share, replica-seconds, scale events, flaps), the bar, the markdown table and the plot."""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from simulator import RunResult
+
+FLAP_WINDOW_S = 300.0  # a reversal of direction less than 5 minutes after the previous scale event
+
+
+@dataclass(frozen=True)
+class Score:
+    """One trace × policy."""
+
+    policy: str
+    trace: str
+    requests: int
+    slo_share: float  # fraction of requests whose TTFT <= the target
+    ttft_p95: float  # over the whole run, from the requests themselves (not from histograms); worst seed
+    replica_seconds: float
+    scale_events: int
+    flaps: int
+
+
+def flaps(events: Sequence[tuple[float, int]], window: float = FLAP_WINDOW_S) -> int:
+    """Scale events whose direction reverses the previous event's, less than `window` seconds after it."""
+    return sum(1 for (t0, c0), (t1, c1) in itertools.pairwise(events)
+               if (c0 > 0) != (c1 > 0) and t1 - t0 < window)
+
+
+def score(run: RunResult, ttft_target: float) -> Score:
+    """Every request that arrived during the trace counts; the simulation served them all to the end."""
+    ttfts = sorted((r.first_token - r.arrival) for r in run.requests if r.first_token is not None)
+    met = sum(1 for x in ttfts if x <= ttft_target)
+    n = len(run.requests)
+    p95 = ttfts[min(len(ttfts) - 1, math.ceil(0.95 * len(ttfts)) - 1)] if ttfts else math.nan
+    return Score(run.policy, run.trace, n, met / n if n else math.nan, p95, run.pod_seconds, len(run.events),
+                 flaps(run.events))
+
+
+def combine(scores: Sequence[Score]) -> Score:
+    """One score for several seeds of the same trace × policy: totals, and shares over all their requests."""
+    n = sum(s.requests for s in scores)
+    return Score(scores[0].policy, scores[0].trace, n, sum(s.slo_share * s.requests for s in scores) / n,
+                 max(s.ttft_p95 for s in scores), sum(s.replica_seconds for s in scores),
+                 sum(s.scale_events for s in scores), sum(s.flaps for s in scores))
+
+
+def better_baseline(scores: Sequence[Score]) -> Score:
+    """The baseline meeting the SLO most often; on a tie, the cheaper one."""
+    return max((s for s in scores if s.policy != "kvfleet"), key=lambda s: (s.slo_share, -s.replica_seconds))
+
+
+def bar(scores: Sequence[Score]) -> tuple[bool, str]:
+    """kvfleet meets the SLO at least as often as the better baseline, within +10% of its replica-seconds,
+    and never flaps."""
+    kv = next(s for s in scores if s.policy == "kvfleet")
+    best = better_baseline(scores)
+    checks = [(kv.slo_share >= best.slo_share, f"SLO {kv.slo_share:.2%} vs {best.policy} {best.slo_share:.2%}"),
+              (kv.replica_seconds <= 1.1 * best.replica_seconds,
+               f"replica-s {kv.replica_seconds / best.replica_seconds:.3f}x {best.policy}"),
+              (kv.flaps == 0, f"{kv.flaps} flaps")]
+    ok = all(c for c, _ in checks)
+    return ok, "; ".join(("" if c else "FAIL ") + text for c, text in checks)
+
+
+def table(by_trace: Mapping[str, Sequence[Score]]) -> str:
+    """Markdown: one row per trace × policy, and the bar's verdict per trace."""
+    lines = ["| trace | policy | requests | TTFT <= target | TTFT p95 (s) | replica-hours | scale events | flaps |",
+             "|---|---|---:|---:|---:|---:|---:|---:|"]
+    verdicts = []
+    for trace, scores in by_trace.items():
+        for s in scores:
+            lines.append(f"| {trace} | {s.policy} | {s.requests} | {s.slo_share:.2%} | {s.ttft_p95:.2f} | "
+                         f"{s.replica_seconds / 3600:.2f} | {s.scale_events} | {s.flaps} |")
+        ok, why = bar(scores)
+        verdicts.append(f"- {trace}: {'meets the bar' if ok else 'MISSES the bar'} ({why})")
+    return "\n".join(lines) + "\n\n" + "\n".join(verdicts) + "\n"
+
+
+def rolling_p95(run: RunResult, window: float = 60.0, step: float = 15.0) -> tuple[list[float], list[float]]:
+    """TTFT p95 of requests whose first token came in the trailing window, every `step` seconds (ground truth)."""
+    firsts = sorted((r.first_token, r.first_token - r.arrival) for r in run.requests if r.first_token is not None)
+    end = run.timeline[-1][0] if run.timeline else 0.0
+    xs, ys, lo, hi = [], [], 0, 0
+    t = window
+    while t <= end:
+        while hi < len(firsts) and firsts[hi][0] <= t:
+            hi += 1
+        while lo < hi and firsts[lo][0] <= t - window:
+            lo += 1
+        vals = sorted(v for _, v in firsts[lo:hi])
+        xs.append(t)
+        ys.append(vals[min(len(vals) - 1, math.ceil(0.95 * len(vals)) - 1)] if vals else math.nan)
+        t += step
+    return xs, ys
+
+
+def plot(runs: Sequence[RunResult], ttft_target: float, path: Path) -> None:
+    """Replicas and rolling TTFT p95 over time, one line per policy (needs matplotlib)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(10, 6), sharex=True)
+    for run in runs:
+        ax1.step([t / 60 for t, _, _ in run.timeline], [n for _, n, _ in run.timeline], where="post",
+                 label=run.policy)
+        xs, ys = run.p95_series if run.p95_series[0] else rolling_p95(run)
+        ax2.plot([x / 60 for x in xs], ys, label=run.policy, linewidth=1)
+    ax2.axhline(ttft_target, color="grey", linestyle="--", label="target")
+    ax1.set_ylabel("replicas (spec)")
+    ax2.set_ylabel("TTFT p95, 60 s (s)")
+    ax2.set_yscale("log")
+    ax2.set_xlabel("minutes")
+    ax1.set_title(runs[0].trace if runs else "")
+    ax1.legend()
+    ax2.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)

@@ -1,0 +1,398 @@
+"""The autoscaling decision, a pure function: policy + observation + carried state → desired replicas and why."""
+
+# The rules, in the order decide() applies them (the simulator in bench/autoscale/ tuned the choices):
+# - Proposals, one per signal, each held at the current count while its observed/target ratio is within
+#   1 ± tolerance (as in the HPA); the largest vote wins.
+#   queue: depth ∝ load^1.5, so n = ceil(ready × per_pod_ratio^(1/1.5)); going down, to where each replica
+#   would hold at most 1 - tolerance of the target (hysteresis); the newest depth and the window's mean must
+#   agree to move (up on the lower of the two, down on the higher).
+#   latency: n = ceil(ready × observed / target), ready as the base. Over target it never asks for fewer
+#   than current, and while replicas are on their way it adds only if the queue agrees (the latency of the
+#   ready ones keeps growing while others load: the same demand). Under target it does not vote when a queue
+#   target is set (latency is flat below saturation); alone, it steps down one replica at a time.
+# - Cold start: replicas that exist but are not ready count as capacity on the way (a vote <= current adds
+#   nothing); those starting for longer than the grace do not, and a vote above is raised to replace them.
+# - HPA behavior: stabilization windows (up: lowest recommendation in its window, down: highest), then the
+#   rate-limit policies over their periods, combined by selectPolicy.
+# - Guards: never down on partial metrics; never up while pods are unschedulable; no proposals: no change.
+# - Last, clamp to [min, max]: the user's explicit bound wins over every rule above.
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+Mode = Literal["builtin", "external", "off"]
+LatencyMetric = Literal["ttft", "itl", "e2e"]
+LimitedBy = Literal["none", "tolerance", "scaleUpStabilization", "scaleUpRate", "scaleDownStabilization",
+                    "scaleDownRate", "minReplicas", "maxReplicas", "partialMetrics", "capacityBlocked", "noMetrics"]
+STARTUP_HISTORY = 10  # startup durations kept; the median of these is the expected time to ready
+# Queue depth per replica ∝ (load per replica)^k. For a replica whose step time grows linearly with its batch,
+# depth = r·A / (1 - r·B): the local exponent is 1 + rB / (1 - rB), 1.5 at a third of the decode-bound
+# saturation rate, where a sensible queue target sits. The simulator's replica measures ~1.5 there as well.
+QUEUE_DEPTH_EXPONENT = 1.5
+
+
+@dataclass(frozen=True)
+class ScalingPolicy:
+    """At most `value` pods (type Pods) or `value` percent of the replicas at the period's start, per period."""
+
+    type: Literal["Pods", "Percent"]
+    value: int
+    period_seconds: int
+
+
+@dataclass(frozen=True)
+class ScalingRules:
+    """One direction of HPA-style behavior: a stabilization window and rate-limit policies combined by select."""
+
+    stabilization_window_seconds: int
+    policies: tuple[ScalingPolicy, ...]
+    select_policy: Literal["Max", "Min", "Disabled"] = "Max"
+
+
+# Up: ×5 or +16 pods per 15 s (HPA: ×2 or +4). A surge's SLO misses pile up until the first new replicas are
+# ready, and the cold-start rule stops re-adding while they load, so the first decision must be large (in the
+# simulator: step 97.3% of requests within the TTFT target vs 96.8% at ×3/+8). Down: halve at most per 15 s
+# (HPA: 100%) after HPA's 300 s window, which also rules out an up-then-down reversal within 5 minutes.
+DEFAULT_SCALE_UP = ScalingRules(0, (ScalingPolicy("Percent", 400, 15), ScalingPolicy("Pods", 16, 15)))
+DEFAULT_SCALE_DOWN = ScalingRules(300, (ScalingPolicy("Percent", 50, 15),))
+
+
+@dataclass(frozen=True)
+class Behavior:
+    """HPA's behavior block: rules for scaling up and for scaling down."""
+
+    scale_up: ScalingRules = DEFAULT_SCALE_UP
+    scale_down: ScalingRules = DEFAULT_SCALE_DOWN
+
+
+@dataclass(frozen=True)
+class LatencyTarget:
+    """Keep the fleet's `percentile` of `metric` (over the metrics window) at or under `seconds`."""
+
+    metric: LatencyMetric
+    percentile: float
+    seconds: float
+
+    @property
+    def source(self) -> str:
+        """The key of this target in Observation.latency and in proposals, e.g. "ttft_p95"."""
+        return f"{self.metric}_p{self.percentile:g}"
+
+
+@dataclass(frozen=True)
+class AutoscalingPolicy:
+    """spec.autoscaling, free of Kubernetes types. Only mode "builtin" is decided here (see decide())."""
+
+    mode: Mode = "builtin"
+    min_replicas: int = 1
+    max_replicas: int = 10
+    tolerance: float = 0.1
+    queue_depth_per_replica: float | None = None
+    latency_targets: tuple[LatencyTarget, ...] = ()
+    behavior: Behavior = field(default_factory=Behavior)
+    startup_grace_seconds: float | None = None  # None: twice the expected (learned) startup time
+
+
+@dataclass(frozen=True)
+class Observation:
+    """What the operator saw this round. Starting = pods that exist but are not ready (pending ones included)."""
+
+    now: float
+    current_replicas: int  # the Deployment's spec.replicas
+    ready_replicas: int
+    starting_replicas: int
+    reporting_replicas: int  # ready pods whose /metrics scrape succeeded
+    unschedulable_replicas: int = 0  # Pending-Unschedulable past the grace period
+    queue_depth: float | None = None  # waiting + running summed over reporting pods, newest scrape
+    queue_depth_mean: float | None = None  # the same averaged over the metrics window (None: only the newest)
+    latency: Mapping[str, float | None] = field(default_factory=dict)  # LatencyTarget.source → seconds, None: no data
+    new_startup_durations: tuple[float, ...] = ()  # creation → ready of pods that became ready since last round
+    starting_ages: tuple[float, ...] = ()  # seconds since creation of each starting pod (empty: all on the way)
+
+
+@dataclass(frozen=True)
+class Recommendation:
+    """An unstabilized desired count, kept for the stabilization windows."""
+
+    time: float
+    replicas: int
+
+
+@dataclass(frozen=True)
+class ScaleEvent:
+    """A change of replicas made by a decision (+n up, -n down), kept for the rate-limit periods."""
+
+    time: float
+    change: int
+
+
+@dataclass(frozen=True)
+class AutoscalerState:
+    """Everything carried between decisions; to_dict()/from_dict() let the operator persist it across restarts."""
+
+    recommendations: tuple[Recommendation, ...] = ()
+    scale_events: tuple[ScaleEvent, ...] = ()
+    startup_durations: tuple[float, ...] = ()
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready form."""
+        return {"recommendations": [[r.time, r.replicas] for r in self.recommendations],
+                "scaleEvents": [[e.time, e.change] for e in self.scale_events],
+                "startupDurations": list(self.startup_durations)}
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> AutoscalerState:
+        """Inverse of to_dict()."""
+        return cls(tuple(Recommendation(float(t), int(n)) for t, n in d.get("recommendations", [])),
+                   tuple(ScaleEvent(float(t), int(n)) for t, n in d.get("scaleEvents", [])),
+                   tuple(float(x) for x in d.get("startupDurations", [])))
+
+
+@dataclass(frozen=True)
+class Proposal:
+    """One signal's answer: the replicas its formula asks for (before tolerance and the cold-start rule)."""
+
+    source: str  # "queue" or a LatencyTarget.source
+    observed: float  # queue: total depth; latency: seconds
+    target: float  # queue: per replica; latency: seconds
+    replicas: int
+
+
+@dataclass(frozen=True)
+class Decision:
+    """The outcome of one round, with its inputs and reason, and the state to carry to the next round."""
+
+    time: float
+    current_replicas: int
+    ready_replicas: int
+    starting_replicas: int
+    desired_replicas: int
+    proposals: tuple[Proposal, ...]
+    limited_by: LimitedBy
+    reason: str
+    expected_startup_seconds: float | None
+    state: AutoscalerState
+
+    def status(self) -> dict[str, Any]:
+        """The CR status form (camelCase), without the carried state."""
+        return {"time": self.time, "currentReplicas": self.current_replicas, "readyReplicas": self.ready_replicas,
+                "startingReplicas": self.starting_replicas, "desiredReplicas": self.desired_replicas,
+                "proposals": [{"source": p.source, "observed": p.observed, "target": p.target,
+                               "replicas": p.replicas} for p in self.proposals],
+                "limitedBy": self.limited_by, "reason": self.reason,
+                "expectedStartupSeconds": self.expected_startup_seconds}
+
+
+def decide(policy: AutoscalingPolicy, obs: Observation, state: AutoscalerState) -> Decision:
+    """Decide the replicas for mode "builtin" (rules at the top of this module). Modes "external" and "off" must
+    not call this: there the operator does not own replicas (an HPA/KEDA or the user does), so a decision would
+    only mislead; it raises ValueError."""
+    if policy.mode != "builtin":
+        raise ValueError(f"decide() is for mode builtin, not {policy.mode!r}")
+    now, current = obs.now, obs.current_replicas
+    durations = (state.startup_durations + obs.new_startup_durations)[-STARTUP_HISTORY:]
+    expected = statistics.median(durations) if durations else None
+    # Like HPA's first sync: seed the windows with the current count, so a restart does not scale down at once.
+    recs = state.recommendations or (Recommendation(now, current),)
+    grace = policy.startup_grace_seconds if policy.startup_grace_seconds is not None else (
+        2 * expected if expected is not None else None)
+    stale = sum(1 for age in obs.starting_ages if grace is not None and age > grace)
+    proposals, votes, held = _proposals(policy, obs, stale)
+    partial = obs.reporting_replicas < obs.ready_replicas
+    limited: LimitedBy = "none"
+    raw, winner = max(votes, key=lambda v: v[0]) if votes else (current, None)
+    if winner is None:
+        limited = "noMetrics"
+    elif raw == current and held:
+        limited = "tolerance"
+    up, down = policy.behavior.scale_up, policy.behavior.scale_down
+    stabilized = stabilize(current, raw, recs, up, down, now)
+    if stabilized != raw:
+        limited = "scaleUpStabilization" if raw > current else "scaleDownStabilization"
+    desired = rate_limit(current, stabilized, state.scale_events, up, down, now)
+    if desired != stabilized:
+        limited = "scaleUpRate" if stabilized > current else "scaleDownRate"
+    if partial and desired < current:
+        desired, limited = current, "partialMetrics"
+    if obs.unschedulable_replicas > 0 and desired > current:
+        desired, limited = current, "capacityBlocked"
+    if desired < policy.min_replicas or desired > policy.max_replicas:
+        limited = "minReplicas" if desired < policy.min_replicas else "maxReplicas"
+        desired = min(max(desired, policy.min_replicas), policy.max_replicas)
+    horizon = max(up.stabilization_window_seconds, down.stabilization_window_seconds)
+    period = max((p.period_seconds for p in up.policies + down.policies), default=0)
+    new_state = AutoscalerState(
+        (*(r for r in recs if r.time > now - horizon), Recommendation(now, raw)),
+        (*(e for e in state.scale_events if e.time > now - period),
+         *((ScaleEvent(now, desired - current),) if desired != current else ())),
+        durations)
+    reason = _reason(policy, obs, winner, raw, desired, limited, expected)
+    if stale:
+        reason += f" ({stale} starting for over {grace:.0f}s no longer count as capacity on the way)"
+    return Decision(now, current, obs.ready_replicas, obs.starting_replicas, desired, tuple(proposals), limited,
+                    reason, expected, new_state)
+
+
+def _ceil(x: float) -> int:
+    """Ceiling that ignores float noise (3.0000000001 → 3)."""
+    return math.ceil(x - 1e-9)
+
+
+def _proposals(policy: AutoscalingPolicy, obs: Observation,
+               stale: int) -> tuple[list[Proposal], list[tuple[int, Proposal]], bool]:
+    """Each signal's proposal, the votes cast (not every proposal votes), and whether tolerance held any."""
+    current, ready, tol = obs.current_replicas, obs.ready_replicas, policy.tolerance
+    effective = current - stale
+    proposals: list[Proposal] = []
+    votes: list[tuple[int, Proposal]] = []
+    held = False
+
+    def up(n: int) -> int:  # cold start: only a vote above what serves or is on its way adds pods
+        return n + stale if n > effective else current
+
+    target = policy.queue_depth_per_replica
+    queue_ratio: float | None = None
+    depths = [q for q in (obs.queue_depth, obs.queue_depth_mean) if q is not None]
+    if target is not None and depths and obs.reporting_replicas > 0:
+        # Depth = rate × time in system (Little), and a batched step slows as the batch grows, so depth per
+        # replica grows faster than load per replica: n replicas would each hold per_pod × (ready / n)^k.
+        # (HPA assumes k = 1: it overshoots while new replicas load, and removes too many, then adds them
+        # back.) per_pod is the average over reporting pods, as the HPA takes it.
+        k = QUEUE_DEPTH_EXPONENT
+
+        def ratio_of(q: float) -> float:  # per replica of target, once those on the way serve too
+            return q / obs.reporting_replicas / target * (ready / effective) ** k if effective else math.inf
+
+        # The newest depth and the window's mean must agree to move: up on the lower, down on the higher.
+        lo, hi = min(depths), max(depths)
+        ratio = ratio_of(lo) if ratio_of(lo) > 1 else ratio_of(hi) if ratio_of(hi) < 1 else 1.0
+        depth = lo if ratio > 1 else hi if ratio < 1 else depths[0]
+        per_pod = depth / obs.reporting_replicas / target
+        # Going down, stop where each replica would hold at most 1 - tolerance (hysteresis): scaling back up
+        # then takes a real rise in load (2 × tolerance), not noise.
+        n = _ceil(ready * (per_pod / (1.0 if ratio >= 1 else 1 - tol)) ** (1 / k))
+        p = Proposal("queue", depth, target, n)
+        proposals.append(p)
+        within = abs(ratio - 1) <= tol
+        held |= within and n != current
+        queue_ratio = ratio
+        votes.append((current if within else up(n) if n > effective else n, p))
+    for t in policy.latency_targets:
+        seen = obs.latency.get(t.source)
+        if seen is None or ready == 0:
+            continue
+        ratio = seen / t.seconds
+        n = _ceil(ready * ratio)  # ready is the base: only they produced the latency
+        p = Proposal(t.source, seen, t.seconds, n)
+        proposals.append(p)
+        if abs(ratio - 1) <= tol:
+            held |= n != current
+            votes.append((current, p))
+        elif ratio > 1:
+            # Over target never asks for fewer than current. It measures only the ready replicas and grows while
+            # others load, so with replicas on their way it adds only if the queue (which counts them) agrees.
+            short = effective <= ready or queue_ratio is None or queue_ratio > 1 + tol
+            votes.append((up(n) if short else current, p))
+        elif target is not None:
+            pass  # under target, latency does not vote: it is flat until saturation, so the queue decides
+        else:
+            # Latency alone: it is flat until saturation, so its ratio does not measure spare capacity.
+            # Step down one ready replica at a time; the scale-down window spaces the steps.
+            votes.append((max(n, ready - 1), p))
+    return proposals, votes, held
+
+
+def stabilize(current: int, desired: int, recs: tuple[Recommendation, ...], up: ScalingRules,
+               down: ScalingRules, now: float) -> int:
+    """HPA: scale up to the lowest recommendation within the up window, down to the highest within the down one."""
+    up_cut, down_cut = now - up.stabilization_window_seconds, now - down.stabilization_window_seconds
+    up_rec = min([desired] + [r.replicas for r in recs if r.time > up_cut])
+    down_rec = max([desired] + [r.replicas for r in recs if r.time > down_cut])
+    return min(max(current, up_rec), down_rec)
+
+
+def _change_in_period(events: tuple[ScaleEvent, ...], period: int, now: float, sign: int) -> int:
+    """Replicas added (sign +1) or removed (sign -1) by events within the last `period` seconds."""
+    return sum(abs(e.change) for e in events if e.time > now - period and e.change * sign > 0)
+
+
+def rate_limit(current: int, desired: int, events: tuple[ScaleEvent, ...], up: ScalingRules,
+                down: ScalingRules, now: float) -> int:
+    """HPA's rate limits: each policy bounds the count from the replicas at its period's start; select combines."""
+    if desired == current:
+        return desired
+    rules = up if desired > current else down
+    if rules.select_policy == "Disabled" or not rules.policies:
+        return current
+    limits = []
+    for p in rules.policies:
+        start = (current - _change_in_period(events, p.period_seconds, now, +1)
+                 + _change_in_period(events, p.period_seconds, now, -1))
+        if desired > current:
+            limits.append(start + p.value if p.type == "Pods" else math.ceil(start * (1 + p.value / 100)))
+        else:
+            limits.append(start - p.value if p.type == "Pods" else int(start * (1 - p.value / 100)))
+    if desired > current:  # Max: the policy allowing the biggest change; Min: the smallest
+        limit = max(limits) if rules.select_policy == "Max" else min(limits)
+        return min(desired, max(limit, current))
+    limit = min(limits) if rules.select_policy == "Max" else max(limits)
+    return max(desired, min(limit, current))
+
+
+def _describe_rate(rules: ScalingRules, up: bool) -> str:
+    """E.g. "+100% or +4 pods per 15s, whichever is more"."""
+    sign = "+" if up else "-"
+    parts = [f"{sign}{p.value}{'%' if p.type == 'Percent' else ' pods'} per {p.period_seconds}s"
+             for p in rules.policies]
+    if len(parts) == 1:
+        return parts[0]
+    return " or ".join(parts) + (", whichever is more" if rules.select_policy == "Max" else ", whichever is less")
+
+
+def _reason(policy: AutoscalingPolicy, obs: Observation, win: Proposal | None, raw: int, desired: int,
+            limited: LimitedBy, expected: float | None) -> str:
+    """One human sentence: the winning signal, the proposal, and what limited it."""
+    starting = f" + {obs.starting_replicas} starting" if obs.starting_replicas else ""
+    fleet = f"with {obs.ready_replicas} ready{starting}"
+    if win is None:
+        head = f"no metrics from {obs.ready_replicas} ready ({obs.reporting_replicas} reporting)"
+    else:
+        if win.source == "queue":
+            head = f"queue depth {win.observed:g} at target {win.target:g} per replica {fleet}"
+        else:
+            cmp = ">" if win.observed > win.target else "<="
+            name = win.source.replace("_", " ")
+            head = f"{name} {win.observed:.3g}s {cmp} target {win.target:g}s {fleet}"
+        head += f": proposing {win.replicas}"
+        if obs.starting_replicas and obs.ready_replicas < win.replicas <= obs.current_replicas:
+            eta = f", expected ready in ~{expected:.0f}s" if expected is not None else ""
+            head += f", covered by the {obs.starting_replicas} starting{eta}"
+    b, k = policy.behavior, desired
+    tail = {
+        "none": f"{'scaling to' if k != obs.current_replicas else 'keeping'} {k}", "noMetrics": f"keeping {k}",
+        "tolerance": f"within tolerance {policy.tolerance:.0%}, keeping {k}",
+        "scaleUpStabilization": f"held at {k} by the {b.scale_up.stabilization_window_seconds}s scale-up "
+                                "stabilization window",
+        "scaleDownStabilization": f"held at {k} by the {b.scale_down.stabilization_window_seconds}s scale-down "
+                                  "stabilization window",
+        "scaleUpRate": f"limited to {k} by scale-up rate ({_describe_rate(b.scale_up, True)})",
+        "scaleDownRate": f"limited to {k} by scale-down rate ({_describe_rate(b.scale_down, False)})",
+        "partialMetrics": f"keeping {k}: only {obs.reporting_replicas} of {obs.ready_replicas} ready pods reported "
+                          "metrics, never scaling down on partial data",
+        "capacityBlocked": f"keeping {k}: {obs.unschedulable_replicas} pods unschedulable, no scale-up until they "
+                           "schedule",
+        "minReplicas": f"raised to minReplicas {k}", "maxReplicas": f"capped at maxReplicas {k}",
+    }[limited]
+    if raw != desired and limited in ("none", "minReplicas", "maxReplicas"):
+        tail = f"recommending {raw}, " + tail
+    return f"{head}; {tail}"
+
+
+__all__ = ["DEFAULT_SCALE_DOWN", "DEFAULT_SCALE_UP", "AutoscalerState", "AutoscalingPolicy", "Behavior", "Decision",
+           "LatencyTarget", "Observation", "Proposal", "Recommendation", "ScaleEvent", "ScalingPolicy",
+           "ScalingRules", "decide", "rate_limit", "stabilize"]

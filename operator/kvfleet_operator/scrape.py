@@ -1,0 +1,262 @@
+"""Reads agents' /metrics into per-pod snapshots; histogram increases over a window → PromQL-exact quantiles."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import math
+import time
+from collections import deque
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+import aiohttp
+from prometheus_client.parser import text_string_to_metric_families
+
+# Short names (used by autoscaling targets) → the agent's histogram families (ARCHITECTURE.md, metric contract).
+HISTOGRAMS: Mapping[str, str] = {
+    "ttft": "kvfleet_time_to_first_token_seconds",
+    "itl": "kvfleet_inter_token_latency_seconds",
+    "e2e": "kvfleet_e2e_request_latency_seconds",
+}
+WAITING, RUNNING = "kvfleet_requests_waiting", "kvfleet_requests_running"
+
+
+class ParseError(ValueError):
+    """The body is not a Prometheus exposition carrying the agent's queue gauges."""
+
+
+@dataclass(frozen=True)
+class Histogram:
+    """A classic histogram: ascending upper bounds ending at +Inf, cumulative counts, plus _count and _sum."""
+
+    bounds: tuple[float, ...]
+    buckets: tuple[float, ...]
+    count: float
+    sum: float
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """One scrape of one pod: the queue gauges and the latency histograms, at `time` (Unix seconds)."""
+
+    pod: str
+    time: float
+    waiting: float
+    running: float
+    histograms: Mapping[str, Histogram] = field(default_factory=dict)  # keyed by HISTOGRAMS' short names
+
+    @property
+    def queue_depth(self) -> float:
+        """Requests the pod holds: waiting plus running (the queue-depth signal)."""
+        return self.waiting + self.running
+
+
+@dataclass(frozen=True)
+class ScrapeResult:
+    """Per-pod snapshots of the pods that answered, and an error line for each one that did not."""
+
+    snapshots: Mapping[str, Snapshot]
+    errors: Mapping[str, str]
+
+
+def parse_exposition(text: str, pod: str, at: float, model: str | None = None) -> Snapshot:
+    """Parse an agent's text exposition; label sets are summed (one agent serves one model) unless `model` picks one."""
+    gauges: dict[str, float] = {}
+    parts: dict[str, dict[str, float]] = {short: {} for short in HISTOGRAMS}
+    by_family = {family: short for short, family in HISTOGRAMS.items()}
+    try:
+        for fam in text_string_to_metric_families(text):
+            short = by_family.get(fam.name)
+            if fam.name not in (WAITING, RUNNING) and short is None:
+                continue
+            for s in fam.samples:
+                if model is not None and s.labels.get("model") != model:
+                    continue
+                if short is None:
+                    gauges[fam.name] = gauges.get(fam.name, 0.0) + s.value
+                    continue
+                key = s.labels["le"] if s.name.endswith("_bucket") else s.name.rsplit("_", 1)[1]
+                if s.name.endswith(("_bucket", "_count", "_sum")):
+                    parts[short][key] = parts[short].get(key, 0.0) + s.value
+    except (ValueError, KeyError, IndexError) as e:  # the parser raises ValueError on any malformed line
+        raise ParseError(f"not a Prometheus exposition: {e}") from e
+    missing = [name for name in (WAITING, RUNNING) if name not in gauges]
+    if missing:
+        raise ParseError(f"missing {', '.join(missing)}")
+    hists = {short: h for short, p in parts.items() if (h := _histogram(p)) is not None}
+    return Snapshot(pod, at, gauges[WAITING], gauges[RUNNING], hists)
+
+
+def _histogram(parts: Mapping[str, float]) -> Histogram | None:
+    """Assemble bucket/_count/_sum samples; None when the family was absent (nothing to report yet)."""
+    les = {k: v for k, v in parts.items() if k not in ("count", "sum")}
+    if not les:
+        return None
+    try:
+        ordered = sorted((float(le), v) for le, v in les.items())
+    except ValueError as e:
+        raise ParseError(f"bad le label: {e}") from e
+    if not math.isinf(ordered[-1][0]):
+        raise ParseError("histogram without a +Inf bucket")
+    return Histogram(tuple(b for b, _ in ordered), tuple(v for _, v in ordered),
+                     parts.get("count", ordered[-1][1]), parts.get("sum", 0.0))
+
+
+async def scrape_pods(pods: Sequence[tuple[str, str]], timeout: float = 2.0, model: str | None = None,
+                      clock: Callable[[], float] = time.time) -> ScrapeResult:
+    """GET every (name, url) concurrently; a slow, failing or garbled pod becomes an error entry, never an exception."""
+    snapshots: dict[str, Snapshot] = {}
+    errors: dict[str, str] = {}
+    budget = aiohttp.ClientTimeout(total=timeout)
+
+    async def one(session: aiohttp.ClientSession, name: str, url: str) -> None:
+        try:
+            async with session.get(url) as resp:
+                if resp.status != 200:
+                    errors[name] = f"HTTP {resp.status}"
+                    return
+                body = await resp.text(errors="replace")
+            snapshots[name] = parse_exposition(body, name, clock(), model)
+        except TimeoutError:  # asyncio.TimeoutError is TimeoutError from 3.11
+            errors[name] = f"timeout after {timeout:g}s"
+        except ParseError as e:
+            errors[name] = f"parse: {e}"
+        except aiohttp.ClientError as e:
+            errors[name] = f"{type(e).__name__}: {e}"
+
+    async with aiohttp.ClientSession(timeout=budget) as session:
+        await asyncio.gather(*(one(session, name, url) for name, url in pods))
+    return ScrapeResult(snapshots, errors)
+
+
+def bucket_quantile(q: float, bounds: Sequence[float], buckets: Sequence[float]) -> float:
+    """PromQL's histogram_quantile over cumulative buckets (promql/quantile.go BucketQuantile), NaN when undefined."""
+    if math.isnan(q):
+        return math.nan
+    if q < 0:
+        return -math.inf
+    if q > 1:
+        return math.inf
+    if len(bounds) < 2 or not math.isinf(bounds[-1]):
+        return math.nan
+    counts = list(buckets)
+    for i in range(1, len(counts)):  # PromQL forces monotonicity (buckets summed across resets can dip)
+        counts[i] = max(counts[i], counts[i - 1])
+    observations = counts[-1]
+    if observations == 0:
+        return math.nan
+    rank = q * observations
+    b = next((i for i in range(len(counts) - 1) if counts[i] >= rank), len(counts) - 1)
+    if b == len(counts) - 1:  # in the +Inf bucket: the highest finite bound is the best we know
+        return bounds[-2]
+    if b == 0 and bounds[0] <= 0:
+        return bounds[0]
+    start, end, count = 0.0, bounds[b], counts[b]
+    if b > 0:
+        start, count, rank = bounds[b - 1], count - counts[b - 1], rank - counts[b - 1]
+    if count == 0:  # only for q == 0 over an empty lowest bucket; Go's 0/0 gives NaN too
+        return math.nan
+    return start + (end - start) * (rank / count)
+
+
+class MetricsWindow:
+    """Per-pod snapshot history; increases over the last `seconds`, summed across pods, and quantiles of them.
+
+    A pod's increase runs from its oldest sample inside the window (so a pod new to the window counts from
+    its first sample) to its newest. A drop in _count or in any bucket means the pod restarted: the counter
+    starts again from 0, so the new value is the increase since then (PromQL's increase() rule). There is no
+    extrapolation to the window's edges: quantiles depend on the buckets' ratios, not their scale.
+    """
+
+    def __init__(self, seconds: float = 60.0) -> None:
+        self.seconds = seconds
+        self._history: dict[str, deque[Snapshot]] = {}
+
+    def update(self, snapshots: Iterable[Snapshot], live: Collection[str] | None = None,
+               now: float | None = None) -> None:
+        """Add snapshots; forget pods not in `live` (deleted or replaced); drop samples older than the window."""
+        for s in snapshots:
+            hist = self._history.setdefault(s.pod, deque())
+            if not hist or s.time > hist[-1].time:
+                hist.append(s)
+        if live is not None:
+            for pod in [p for p in self._history if p not in live]:
+                del self._history[pod]
+        latest = max((h[-1].time for h in self._history.values() if h), default=0.0)
+        cutoff = (latest if now is None else now) - self.seconds
+        for hist in self._history.values():
+            while hist and hist[0].time < cutoff:
+                hist.popleft()
+        for pod in [p for p, h in self._history.items() if not h]:
+            del self._history[pod]
+
+    def pods(self) -> set[str]:
+        """Pods with at least one sample in the window."""
+        return set(self._history)
+
+    def queue_depth(self) -> float:
+        """Waiting plus running summed over each pod's newest sample."""
+        return sum(h[-1].queue_depth for h in self._history.values())
+
+    def mean_queue_depth(self) -> float:
+        """Waiting plus running averaged over each pod's samples in the window, summed across pods."""
+        return sum(sum(s.queue_depth for s in h) / len(h) for h in self._history.values())
+
+    def queue_signal(self) -> float:
+        """The lower of the window's mean and the newest sum. decide() now takes both (Observation.queue_depth
+        and queue_depth_mean: up on the lower, down on the higher); passing only this one still works, but then
+        scale-down acts on the lower value too."""
+        return min(self.mean_queue_depth(), self.queue_depth())
+
+    def increase(self, metric: str, last: bool = False) -> Histogram | None:
+        """Bucket, _count and _sum increases over the window (`last`: over each pod's last scrape interval only),
+        summed across pods; None when no pod has two samples."""
+        total: dict[float, float] = {}
+        count = sum_ = 0.0
+        seen = False
+        for hist in self._history.values():
+            samples = [s.histograms[metric] for s in hist if metric in s.histograms][-2 if last else 0:]
+            if len(samples) < 2:
+                continue
+            seen = True
+            inc = _increase(samples)
+            for bound, v in zip(inc.bounds, inc.buckets, strict=True):
+                total[bound] = total.get(bound, 0.0) + v
+            count, sum_ = count + inc.count, sum_ + inc.sum
+        if not seen:
+            return None
+        bounds = tuple(sorted(total))
+        return Histogram(bounds, tuple(total[b] for b in bounds), count, sum_)
+
+    def quantile(self, metric: str, q: float, last: bool = False) -> float | None:
+        """histogram_quantile(q, sum by (le) (increase(metric_bucket[window]))); None when nothing was observed.
+        With `last`, over the last scrape interval instead of the window."""
+        inc = self.increase(metric, last)
+        if inc is None:
+            return None
+        value = bucket_quantile(q, inc.bounds, inc.buckets)
+        return None if math.isnan(value) else value
+
+    def latency(self, metric: str, q: float) -> float | None:
+        """The signal the autoscaler uses: the lower of the window's quantile and the last interval's. A rise must
+        show in both (one noisy interval does not scale up); a recovery shows at once (a spike that has passed
+        does not hold replicas for another window)."""
+        values = [v for v in (self.quantile(metric, q), self.quantile(metric, q, last=True)) if v is not None]
+        return min(values) if values else None
+
+
+def _increase(samples: Sequence[Histogram]) -> Histogram:
+    """One pod's increase across consecutive samples, restarting from 0 wherever the pod's counters went down."""
+    bounds = samples[-1].bounds
+    buckets = [0.0] * len(bounds)
+    count = sum_ = 0.0
+    for prev, cur in itertools.pairwise(samples):
+        reset = cur.count < prev.count or cur.bounds != prev.bounds or any(
+            c < p for c, p in zip(cur.buckets, prev.buckets, strict=True))
+        base_b = [0.0] * len(cur.buckets) if reset else prev.buckets
+        count += cur.count - (0.0 if reset else prev.count)
+        sum_ += cur.sum - (0.0 if reset else prev.sum)
+        if cur.bounds == bounds:
+            buckets = [acc + c - b for acc, c, b in zip(buckets, cur.buckets, base_b, strict=True)]
+    return Histogram(bounds, tuple(buckets), count, sum_)

@@ -1,0 +1,99 @@
+"""autoscaler.decide() properties over random policies, observations and carried state (hypothesis)."""
+
+from __future__ import annotations
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvfleet_operator.autoscaler import (
+    AutoscalerState,
+    AutoscalingPolicy,
+    Behavior,
+    LatencyTarget,
+    Observation,
+    Recommendation,
+    ScaleEvent,
+    ScalingPolicy,
+    ScalingRules,
+    decide,
+)
+
+NOW = 10_000.0
+TARGETS = (LatencyTarget("ttft", 95, 0.5), LatencyTarget("itl", 99, 0.05))
+
+
+@st.composite
+def rules(draw: st.DrawFn) -> ScalingRules:
+    policies = draw(st.lists(st.builds(ScalingPolicy, st.sampled_from(["Pods", "Percent"]),
+                                       st.integers(1, 300), st.integers(1, 120)), min_size=1, max_size=3))
+    return ScalingRules(draw(st.integers(0, 600)), tuple(policies), draw(st.sampled_from(["Max", "Min", "Disabled"])))
+
+
+@st.composite
+def policies(draw: st.DrawFn) -> AutoscalingPolicy:
+    lo = draw(st.integers(1, 5))
+    queue = draw(st.none() | st.floats(0.5, 200))
+    latency = tuple(draw(st.lists(st.sampled_from(TARGETS), unique=True, max_size=2)))
+    return AutoscalingPolicy(min_replicas=lo, max_replicas=draw(st.integers(lo, 40)),
+                             tolerance=draw(st.floats(0, 0.5)), queue_depth_per_replica=queue,
+                             latency_targets=latency, behavior=Behavior(draw(rules()), draw(rules())),
+                             startup_grace_seconds=draw(st.none() | st.floats(0, 1000)))
+
+
+@st.composite
+def observations(draw: st.DrawFn) -> Observation:
+    current = draw(st.integers(0, 50))
+    ready = draw(st.integers(0, current))
+    starting = current - ready
+    latency = {t.source: draw(st.none() | st.floats(0, 100)) for t in TARGETS}
+    return Observation(now=NOW, current_replicas=current, ready_replicas=ready, starting_replicas=starting,
+                       reporting_replicas=draw(st.integers(0, ready)),
+                       unschedulable_replicas=draw(st.integers(0, starting)),
+                       queue_depth=draw(st.none() | st.floats(0, 10_000)), latency=latency,
+                       new_startup_durations=tuple(draw(st.lists(st.floats(1, 900), max_size=3))),
+                       starting_ages=tuple(draw(st.lists(st.floats(0, 2000), min_size=starting, max_size=starting))))
+
+
+@st.composite
+def states(draw: st.DrawFn) -> AutoscalerState:
+    times = st.floats(NOW - 900, NOW)
+    recs = draw(st.lists(st.builds(Recommendation, times, st.integers(0, 80)), max_size=20))
+    events = draw(st.lists(st.builds(ScaleEvent, times, st.integers(-20, 20).filter(bool)), max_size=6))
+    durations = draw(st.lists(st.floats(1, 900), max_size=12))
+    return AutoscalerState(tuple(recs), tuple(events), tuple(durations))
+
+
+@settings(max_examples=200, deadline=None)
+@given(policies(), observations(), states())
+def test_desired_is_always_within_min_and_max(policy: AutoscalingPolicy, obs: Observation,
+                                              state: AutoscalerState) -> None:
+    d = decide(policy, obs, state)
+    assert policy.min_replicas <= d.desired_replicas <= policy.max_replicas
+
+
+@settings(max_examples=200, deadline=None)
+@given(policies(), observations(), states())
+def test_never_scales_down_on_partial_metrics_nor_up_when_blocked(policy: AutoscalingPolicy, obs: Observation,
+                                                                   state: AutoscalerState) -> None:
+    d = decide(policy, obs, state)
+    if not policy.min_replicas <= obs.current_replicas <= policy.max_replicas:
+        return  # the bounds are the user's explicit word and win over both guards
+    if obs.reporting_replicas < obs.ready_replicas:
+        assert d.desired_replicas >= obs.current_replicas
+    if obs.unschedulable_replicas > 0:
+        assert d.desired_replicas <= obs.current_replicas
+
+
+@settings(max_examples=200, deadline=None)
+@given(policies(), observations(), states())
+def test_decision_is_deterministic_and_state_stays_bounded(policy: AutoscalingPolicy, obs: Observation,
+                                                           state: AutoscalerState) -> None:
+    first, second = decide(policy, obs, state), decide(policy, obs, state)
+    assert first == second
+    assert len(first.state.startup_durations) <= 10
+    horizon = max(policy.behavior.scale_up.stabilization_window_seconds,
+                  policy.behavior.scale_down.stabilization_window_seconds)
+    assert all(r.time > NOW - horizon or r.time == NOW for r in first.state.recommendations)
+    assert (first.desired_replicas != obs.current_replicas) == (first.state.scale_events[-1:] ==
+                                                               (ScaleEvent(NOW, first.desired_replicas
+                                                                           - obs.current_replicas),))
