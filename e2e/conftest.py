@@ -13,10 +13,8 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # e2e/ is not a package
 from cluster import ClusterError, LocalCluster, find_bin_dir
-from kube_util import wait_for
-
-GPU_NODES = 2
-GPUS_PER_NODE = 8
+from kube_util import GPU_NODES, GPUS_PER_NODE, wait_for
+from operator_proc import Operator, install
 
 
 def _skip_reason() -> str | None:
@@ -81,3 +79,15 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     agent = Path(sys.executable).parent / "kvfleet-agent"
     subprocess.run([str(agent), "model", "init-tiny", str(path)], check=True, capture_output=True)
     return path
+
+
+@pytest.fixture(scope="session")
+def operator(cluster: LocalCluster) -> Iterator[Operator]:
+    """CRDs and RBAC from manifests/base, and one operator process (its ServiceAccount) for the session."""
+    install(cluster)
+    op = Operator(cluster)
+    op.start()
+    try:
+        yield op
+    finally:
+        op.stop()

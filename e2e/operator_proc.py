@@ -106,3 +106,47 @@ def get_cr(cluster: LocalCluster, namespace: str, name: str) -> dict[str, Any]:
 
 def condition(obj: dict[str, Any], kind: str) -> dict[str, Any] | None:
     return next((c for c in obj.get("status", {}).get("conditions", []) if c["type"] == kind), None)
+
+
+READY_S = 150.0  # CR applied → agents loaded and Ready, on 2 shared cores
+SELECTOR = "serving.kvfleet.dev/inference-deployment"
+
+
+def inference_deployment(name: str, namespace: str, model: Path, **spec: Any) -> dict[str, Any]:
+    """A CR serving the tiny model from a hostPath on one (fake) GPU per replica."""
+    body: dict[str, Any] = {
+        "apiVersion": "serving.kvfleet.dev/v1alpha1", "kind": "InferenceDeployment",
+        "metadata": {"name": name, "namespace": namespace},
+        "spec": {
+            "model": {"name": "tiny", "source": {"hostPath": {"path": str(model)}}},
+            "runtime": {"dtype": "float32", "maxModelLen": 256, "maxNumSeqs": 8, "drainGracePeriodSeconds": 5},
+            "resources": {"gpusPerReplica": 1},
+            "replicas": 1,
+        },
+    }
+    body["spec"].update(spec)
+    return body
+
+
+def apply_cr(cluster: LocalCluster, body: dict[str, Any], check: bool = True) -> Any:
+    return cluster.kubectl("apply", "--server-side", "--field-manager=e2e-user", "-f", "-", stdin=json.dumps(body),
+                           check=check)
+
+
+def owned(cluster: LocalCluster, namespace: str, name: str) -> dict[str, list[dict[str, Any]]]:
+    """The Deployments, Services and PDBs that carry this CR's label."""
+    sel = f"{SELECTOR}={name}"
+    return {kind: cluster.kubectl_json("get", kind, "-n", namespace, "-l", sel)["items"]
+            for kind in ("deployments", "services", "poddisruptionbudgets")}
+
+
+def wait_ready(cluster: LocalCluster, namespace: str, name: str, replicas: int) -> dict[str, Any]:
+    """Wait until the CR reports Ready=True with `replicas` ready replicas for its current generation."""
+    def ready() -> dict[str, Any] | None:
+        cr = get_cr(cluster, namespace, name)
+        st, cond = cr.get("status", {}), condition(cr, "Ready")
+        ok = (cond is not None and cond["status"] == "True" and st.get("readyReplicas") == replicas
+              and st.get("replicas") == replicas and st.get("observedGeneration") == cr["metadata"]["generation"])
+        return cr if ok else None
+
+    return wait_for(f"{name} Ready with {replicas} replicas", ready, timeout=READY_S, interval=0.5)

@@ -259,9 +259,9 @@ def replicas_for(spec: InferenceDeploymentSpec, current: int | None) -> int:
     off/external: spec.replicas, which an HPA or KEDA may drive through the scale subresource.
     builtin: the autoscaler owns the number. The reconcile keeps the live value (minReplicas on creation),
     clamped to [minReplicas, maxReplicas] so an edited bound takes effect at once.
-    # AUTOSCALER HOOK: the builtin autoscaler's timer applies its decision through handlers.apply_desired(),
-    # the same full plan with `replicas` set to the decision; this function must never undo that, so it only
-    # keeps and clamps.
+    The builtin autoscaler (autoscaling_loop.py) applies its decision through reconcile.apply_desired(), the
+    same full plan with `replicas` set to the decision; this function must never undo that, so it only keeps
+    and clamps.
     """
     if spec.autoscaling.mode != "builtin":
         return spec.replicas

@@ -24,6 +24,8 @@ class OperatorConfig:
     agent_image: str = DEFAULT_AGENT_IMAGE
     port: int = 8080  # /healthz and /metrics; 0 picks a free port (logged)
     scrape_timeout_seconds: float = 2.0
+    unschedulable_grace_seconds: float = 60.0  # Pending as Unschedulable this long → CapacityBlocked
+    resync_seconds: float = 60.0  # every object is reconciled at least this often (lost events, drift)
     log_format: Literal["json", "text"] = "json"
     log_level: str = "INFO"
     peering: str = ""  # a KopfPeering/ClusterKopfPeering name for one active operator; empty: standalone
@@ -33,8 +35,9 @@ class OperatorConfig:
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> OperatorConfig:
         """Read KVFLEET_WATCH_NAMESPACE (comma-separated; empty: all), KVFLEET_AGENT_IMAGE, KVFLEET_OPERATOR_PORT,
-        KVFLEET_SCRAPE_TIMEOUT_SECONDS, KVFLEET_LOG_FORMAT (json|text), KVFLEET_LOG_LEVEL, KVFLEET_PEERING,
-        KVFLEET_PEERING_PRIORITY and KVFLEET_POST_EVENTS (true|false). Raises ValueError naming the bad variable."""
+        KVFLEET_SCRAPE_TIMEOUT_SECONDS, KVFLEET_UNSCHEDULABLE_GRACE_SECONDS, KVFLEET_RESYNC_SECONDS,
+        KVFLEET_LOG_FORMAT (json|text), KVFLEET_LOG_LEVEL, KVFLEET_PEERING, KVFLEET_PEERING_PRIORITY and
+        KVFLEET_POST_EVENTS (true|false). Raises ValueError naming the bad variable."""
         env = os.environ if env is None else env
 
         def get(name: str, default: str) -> str:
@@ -56,14 +59,30 @@ class OperatorConfig:
         port = int(number("KVFLEET_OPERATOR_PORT", "8080", int))
         if not 0 <= port <= 65535:
             raise ValueError(f"KVFLEET_OPERATOR_PORT={port}: use 0..65535 (0: any free port)")
+        namespaces = tuple(n.strip() for n in env.get("KVFLEET_WATCH_NAMESPACE", "").split(",") if n.strip())
+        peering = get("KVFLEET_PEERING", "")
+        if namespaces and peering:
+            # kopf then elects a leader per namespace through namespaced KopfPeering objects, which the manifests
+            # do not create (they ship one ClusterKopfPeering): the operator would wait for them forever.
+            raise ValueError(f"KVFLEET_WATCH_NAMESPACE={','.join(namespaces)} with KVFLEET_PEERING={peering}: "
+                             "peering is only supported cluster-wide; unset KVFLEET_PEERING (run one replica) "
+                             "or leave KVFLEET_WATCH_NAMESPACE empty")
+        timings: dict[str, float] = {}
+        for var, default in (("KVFLEET_SCRAPE_TIMEOUT_SECONDS", "2.0"), ("KVFLEET_UNSCHEDULABLE_GRACE_SECONDS", "60"),
+                             ("KVFLEET_RESYNC_SECONDS", "60")):
+            timings[var] = number(var, default, float)
+            if not 0 < timings[var] <= 3600:
+                raise ValueError(f"{var}={timings[var]:g}: use a number of seconds in (0, 3600]")
         return cls(
-            namespaces=tuple(n.strip() for n in env.get("KVFLEET_WATCH_NAMESPACE", "").split(",") if n.strip()),
+            namespaces=namespaces,
             agent_image=get("KVFLEET_AGENT_IMAGE", DEFAULT_AGENT_IMAGE),
             port=port,
-            scrape_timeout_seconds=number("KVFLEET_SCRAPE_TIMEOUT_SECONDS", "2.0", float),
+            scrape_timeout_seconds=timings["KVFLEET_SCRAPE_TIMEOUT_SECONDS"],
+            unschedulable_grace_seconds=timings["KVFLEET_UNSCHEDULABLE_GRACE_SECONDS"],
+            resync_seconds=timings["KVFLEET_RESYNC_SECONDS"],
             log_format="json" if log_format == "json" else "text",
             log_level=get("KVFLEET_LOG_LEVEL", "INFO").upper(),
-            peering=get("KVFLEET_PEERING", ""),
+            peering=peering,
             peering_priority=int(number("KVFLEET_PEERING_PRIORITY", "0", int)),
             post_events=events in ("true", "1", "yes"),
         )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Callable
 
@@ -17,8 +18,44 @@ RECONCILE_SECONDS = Histogram("kvfleet_operator_reconcile_duration_seconds", "Ti
                               buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30), registry=REGISTRY)
 APPLY_ERRORS = Counter("kvfleet_operator_apply_errors", "Failed writes to the Kubernetes API by kind",
                        ["kind"], registry=REGISTRY)
-DESIRED_REPLICAS = Gauge("kvfleet_operator_desired_replicas", "Replicas the operator asks each Deployment for",
-                         ["namespace", "name"], registry=REGISTRY)
+DESIRED_REPLICAS = Gauge("kvfleet_operator_desired_replicas",
+                         "Replicas the operator last asked each Deployment for, by why (spec: spec.replicas; "
+                         "else the autoscaler's limitedBy, none when its proposal was applied as is)",
+                         ["namespace", "name", "reason"], registry=REGISTRY)
+SCRAPE_ERRORS = Counter("kvfleet_operator_scrape_errors", "Failed scrapes of agent /metrics by the autoscaler",
+                        ["reason"], registry=REGISTRY)
+AUTOSCALE_TICKS = Counter("kvfleet_operator_autoscale_ticks", "Builtin autoscaler rounds by result",
+                          ["result"], registry=REGISTRY)
+_desired_reason: dict[tuple[str, str], str] = {}  # the one series per object kept, so an old reason does not linger
+
+
+def set_desired(namespace: str, name: str, reason: str, replicas: int) -> None:
+    """Set the desired-replicas gauge of one object under `reason`, dropping its series of any previous reason."""
+    old = _desired_reason.get((namespace, name))
+    if old is not None and old != reason:
+        with contextlib.suppress(KeyError):
+            DESIRED_REPLICAS.remove(namespace, name, old)
+    _desired_reason[namespace, name] = reason
+    DESIRED_REPLICAS.labels(namespace=namespace, name=name, reason=reason).set(replicas)
+
+
+def forget(namespace: str, name: str) -> None:
+    """Drop an object's series (it was deleted)."""
+    reason = _desired_reason.pop((namespace, name), None)
+    if reason is not None:
+        with contextlib.suppress(KeyError):
+            DESIRED_REPLICAS.remove(namespace, name, reason)
+
+
+def scrape_error_reason(error: str) -> str:
+    """A short class for a scrape error line of scrape.scrape_pods: timeout, http, parse or connection."""
+    if error.startswith("timeout"):
+        return "timeout"
+    if error.startswith("HTTP "):
+        return "http"
+    if error.startswith("parse"):
+        return "parse"
+    return "connection"
 
 
 async def serve(port: int, healthy: Callable[[], bool]) -> tuple[web.AppRunner, int]:

@@ -221,7 +221,7 @@ class Targets(_Model):
 
     model_config = ConfigDict(json_schema_extra=cel(LATENCY_UNIQUE_RULE))
     queue_depth_per_replica: float | None = Field(default=None, gt=0)
-    """Waiting requests per ready replica (kvfleet_requests_waiting)."""
+    """Requests per ready replica, waiting plus running (kvfleet_requests_waiting + kvfleet_requests_running)."""
     latency: list[LatencyTarget] = Field(default_factory=list, max_length=6)
     """Latency percentile budgets; the largest replica proposal wins."""
 
@@ -250,8 +250,9 @@ class ScaleUpRules(_Model):
     stabilization_window_seconds: int = Field(default=0, ge=0, le=3600)
     """Use the lowest recommendation of this window (0: act at once)."""
     policies: list[ScalingPolicy] = Field(
-        default_factory=lambda: [ScalingPolicy(type="Percent", value=100, period_seconds=15),
-                                 ScalingPolicy(type="Pods", value=4, period_seconds=15)], max_length=10)
+        # autoscaler.DEFAULT_SCALE_UP: x5 or +16 per 15 s, tuned in bench/autoscale (HPA's x2 / +4 lagged a step).
+        default_factory=lambda: [ScalingPolicy(type="Percent", value=400, period_seconds=15),
+                                 ScalingPolicy(type="Pods", value=16, period_seconds=15)], max_length=10)
     """Rate limits; selectPolicy picks among them."""
     select_policy: Literal["Max", "Min", "Disabled"] = "Max"
     """Max: the most permissive policy; Min: the strictest; Disabled: never scale up."""

@@ -9,11 +9,15 @@ from pydantic import BaseModel, ConfigDict, Field
 from pydantic.alias_generators import to_camel
 from pydantic.config import JsonDict
 
-# Condition types: the reconcile owns the first three, the builtin autoscaler the rest.
-READY, PROGRESSING, DEGRADED = "Ready", "Progressing", "Degraded"
+# Condition types: the reconcile owns the first four, the builtin autoscaler the rest.
+READY, AVAILABLE, PROGRESSING, DEGRADED = "Ready", "Available", "Progressing", "Degraded"
 SCALING_ACTIVE, SCALING_LIMITED, CAPACITY_BLOCKED, METRICS_AVAILABLE = (
     "ScalingActive", "ScalingLimited", "CapacityBlocked", "MetricsAvailable")
-RECONCILE_CONDITIONS = (READY, PROGRESSING, DEGRADED)
+RECONCILE_CONDITIONS = (READY, AVAILABLE, PROGRESSING, DEGRADED)
+AUTOSCALER_CONDITIONS = (SCALING_ACTIVE, SCALING_LIMITED, CAPACITY_BLOCKED, METRICS_AVAILABLE)
+# Status fields the reconcile writes (besides its conditions); the autoscaler writes `autoscaling`.
+RECONCILE_FIELDS = ("observedGeneration", "replicas", "readyReplicas", "updatedReplicas", "desiredReplicas",
+                    "selector")
 
 _DATE_TIME: JsonDict = {"format": "date-time"}
 
@@ -27,7 +31,8 @@ class Condition(_Status):
     """One aspect of the resource's state (metav1.Condition shape)."""
 
     type: str = Field(max_length=64)
-    """Ready, Progressing, Degraded, ScalingActive, ScalingLimited, CapacityBlocked or MetricsAvailable."""
+    """Ready, Available, Progressing, Degraded, ScalingActive, ScalingLimited, CapacityBlocked or
+    MetricsAvailable."""
     status: Literal["True", "False", "Unknown"]
     """Whether the condition holds."""
     reason: str = Field(max_length=128)
@@ -106,7 +111,9 @@ class InferenceDeploymentStatus(_Status):
     conditions: list[Condition] = Field(
         default_factory=list, max_length=16,
         json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["type"]})
-    """Ready, Progressing, Degraded and the autoscaler's conditions."""
+    """Ready (the current generation is fully rolled out and every desired replica is ready), Available (at
+    least one replica serves), Progressing, Degraded, and the builtin autoscaler's ScalingActive, ScalingLimited,
+    CapacityBlocked and MetricsAvailable."""
     autoscaling: AutoscalingStatus | None = None
     """Builtin autoscaling's last decision and learned figures."""
 
@@ -116,19 +123,26 @@ def now_rfc3339() -> str:
     return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
-def _condition(type_: str, ok: bool, reason: str, message: str, generation: int, now: str,
-               previous: dict[str, dict[str, Any]]) -> dict[str, Any]:
+def condition(type_: str, ok: bool, reason: str, message: str, generation: int, now: str,
+              previous: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """One condition; `previous` (by type) keeps lastTransitionTime while the status does not flip."""
     status = "True" if ok else "False"
     old = previous.get(type_)
     # The transition time moves only when the status flips, so `kubectl wait` and alerts see real changes.
     since = old["lastTransitionTime"] if old and old.get("status") == status and old.get("lastTransitionTime") else now
-    return {"type": type_, "status": status, "reason": reason, "message": message,
+    return {"type": type_, "status": status, "reason": reason, "message": message[:32768],
             "lastTransitionTime": since, "observedGeneration": generation}
 
 
 def observe(*, generation: int, desired: int, selector: str, deployment: dict[str, Any] | None,
-            error: str | None, previous: list[dict[str, Any]], now: str) -> dict[str, Any]:
-    """The status fields the reconcile owns, from the Deployment it applied (or the error that stopped it)."""
+            error: str | None, previous: list[dict[str, Any]], now: str,
+            error_reason: str = "ApplyFailed") -> dict[str, Any]:
+    """The status fields the reconcile owns, from the Deployment it applied (or the error that stopped it).
+
+    Ready is what `kubectl wait --for=condition=Ready`, Flux and Argo CD health read: True only once the current
+    configuration is fully rolled out (no pod of an older template left) and at least `desired` replicas are
+    ready, and never while an apply failed. Available says whether the model is served at all (>= 1 ready).
+    """
     dstat = (deployment or {}).get("status") or {}
     replicas, ready, updated = (int(dstat.get(k) or 0) for k in ("replicas", "readyReplicas", "updatedReplicas"))
     dgen = int(((deployment or {}).get("metadata") or {}).get("generation") or 0)
@@ -136,14 +150,17 @@ def observe(*, generation: int, desired: int, selector: str, deployment: dict[st
     dconds = {c.get("type"): c for c in dstat.get("conditions") or []}
     stalled = dconds.get("Progressing", {}).get("status") == "False"
     failure = dconds.get("ReplicaFailure", {}).get("status") == "True"
-    settled = seen and updated >= desired and ready >= desired and replicas == desired
+    # Every existing pod runs the current template (scaling may still be under way); with `ready >= desired`
+    # on top, every desired replica of the new template is ready (old pods would make updated < replicas).
+    current_template = seen and updated == replicas and updated >= desired
+    settled = current_template and ready >= desired and replicas == desired
     prev = {c.get("type", ""): c for c in previous}
 
     def cond(type_: str, ok: bool, reason: str, message: str) -> dict[str, Any]:
-        return _condition(type_, ok, reason, message, generation, now, prev)
+        return condition(type_, ok, reason, message, generation, now, prev)
 
     if error is not None:
-        degraded = cond(DEGRADED, True, "ApplyFailed", error)
+        degraded = cond(DEGRADED, True, error_reason, error)
     elif stalled:
         degraded = cond(DEGRADED, True, dconds["Progressing"].get("reason") or "ProgressDeadlineExceeded",
                         dconds["Progressing"].get("message") or "the rollout stopped making progress")
@@ -153,18 +170,30 @@ def observe(*, generation: int, desired: int, selector: str, deployment: dict[st
     else:
         degraded = cond(DEGRADED, False, "AsExpected", "the Deployment, Service and PodDisruptionBudget are applied")
 
-    if desired == 0:
+    counts = f"{ready}/{desired} replicas ready, {updated} of {replicas} run the current configuration"
+    if error is not None:
+        ready_c = cond(READY, False, error_reason, f"the desired state is not fully applied ({counts})")
+    elif desired == 0:
         ready_c = cond(READY, False, "ScaledToZero", "no replicas are requested")
-    elif ready >= desired and settled:
+    elif stalled:
+        ready_c = cond(READY, False, degraded["reason"], f"the rollout stopped making progress ({counts})")
+    elif current_template and ready >= desired:
         ready_c = cond(READY, True, "AllReplicasReady", f"{ready}/{desired} replicas are ready")
-    elif ready > 0:
-        ready_c = cond(READY, True, "PartiallyReady", f"{ready}/{desired} replicas are ready; the model is served")
+    elif not current_template:
+        ready_c = cond(READY, False, "RollingOut", counts)
     else:
-        ready_c = cond(READY, False, "NoReplicaReady", f"0/{desired} replicas are ready (loading, or waiting for "
-                                                       "a node with free GPUs)")
+        ready_c = cond(READY, False, "ReplicasStarting" if ready else "NoReplicaReady", counts)
+
+    if ready > 0:
+        available = cond(AVAILABLE, True, "ReplicasAvailable", f"{ready}/{desired} replicas serve the model")
+    elif desired == 0:
+        available = cond(AVAILABLE, False, "ScaledToZero", "no replicas are requested")
+    else:
+        available = cond(AVAILABLE, False, "NoReplicaReady", f"0/{desired} replicas are ready (loading, or waiting "
+                                                             "for a node with free GPUs)")
 
     if error is not None:
-        progressing = cond(PROGRESSING, False, "ApplyFailed", "the desired state could not be applied")
+        progressing = cond(PROGRESSING, False, error_reason, "the desired state could not be applied")
     elif settled:
         progressing = cond(PROGRESSING, False, "RolloutComplete", f"{desired} replicas run the current configuration")
     elif updated < replicas or not seen:  # pods of an older template remain
@@ -176,4 +205,15 @@ def observe(*, generation: int, desired: int, selector: str, deployment: dict[st
 
     return {"observedGeneration": generation, "replicas": replicas, "readyReplicas": ready,
             "updatedReplicas": updated, "desiredReplicas": desired, "selector": selector,
-            "conditions": [ready_c, progressing, degraded]}
+            "conditions": [ready_c, available, progressing, degraded]}
+
+
+def invalid_spec(current: dict[str, Any], *, generation: int, message: str, now: str) -> dict[str, Any]:
+    """The reconcile's status when the spec cannot be parsed: only Degraded changes. The counts and the other
+    conditions are sent back as they are, because under server-side apply a field the manager stops sending is
+    removed, and an HPA reads status.replicas through /scale: zeroing it would make it scale on a lie."""
+    previous = [c for c in current.get("conditions") or [] if c.get("type") in RECONCILE_CONDITIONS]
+    prev = {c.get("type", ""): c for c in previous}
+    degraded = condition(DEGRADED, True, "InvalidSpec", message, generation, now, prev)
+    kept = {k: current[k] for k in RECONCILE_FIELDS if current.get(k) is not None}
+    return {**kept, "conditions": [*(c for c in previous if c.get("type") != DEGRADED), degraded]}

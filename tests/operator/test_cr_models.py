@@ -9,6 +9,7 @@ import pytest
 from pydantic import ValidationError
 
 from kvfleet_operator import rules
+from kvfleet_operator.autoscaler import DEFAULT_SCALE_UP
 from kvfleet_operator.crd import crd
 from kvfleet_operator.models import InferenceDeployment, InferenceDeploymentSpec
 
@@ -112,8 +113,9 @@ def test_defaults_match_the_crd_defaults() -> None:
     assert schema["runtime"]["default"] == {k: v for k, v in s.runtime.model_dump(by_alias=True, exclude_none=True)
                                             .items() if v != []}
     up = schema["autoscaling"]["properties"]["behavior"]["properties"]["scaleUp"]["properties"]["policies"]
-    assert up["default"] == [{"type": "Percent", "value": 100, "periodSeconds": 15},
-                             {"type": "Pods", "value": 4, "periodSeconds": 15}]
+    # The CRD ships the defaults the autoscaler was tuned with (bench/autoscale).
+    assert up["default"] == [{"type": p.type, "value": p.value, "periodSeconds": p.period_seconds}
+                             for p in DEFAULT_SCALE_UP.policies]
     assert (s.runtime.block_size, s.runtime.max_num_seqs, s.autoscaling.mode, s.replicas) == (16, 128, "off", 1)
     assert s.autoscaling.behavior.scale_down.stabilization_window_seconds == 300
 

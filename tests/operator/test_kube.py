@@ -97,6 +97,58 @@ def test_relogin_once_on_401() -> None:
     assert items == [{"metadata": {"name": "p"}}]
 
 
+@pytest.mark.parametrize(("code", "permanent"), [(400, True), (422, True), (401, False), (403, False),
+                                                 (404, False), (409, False), (429, False), (500, False)])
+def test_only_a_wrong_request_is_permanent(code: int, permanent: bool) -> None:
+    # 403 while a new RoleBinding propagates, 404/409 around a terminating namespace: they heal by themselves.
+    assert ApiError(code, "x", "y").permanent is permanent
+
+
+def test_relogin_does_not_break_requests_in_flight_on_the_old_session() -> None:
+    async def handler(r: web.Request) -> web.Response:
+        if r.headers.get("Authorization") == "Bearer new":
+            return web.json_response({"ok": r.path})
+        if r.path.endswith("/slow"):
+            await asyncio.sleep(0.3)  # still running when the other request's 401 swaps the session
+            return web.json_response({"ok": r.path})
+        return status(401, "Unauthorized", "token expired")
+
+    async def body(k: Kube) -> list[Any]:
+        slow = asyncio.create_task(k.get("Deployment", "ns", "slow"))
+        await asyncio.sleep(0.05)
+        fast = await k.get("Deployment", "ns", "fast")
+        return [await slow, fast]
+
+    # Before, the 401 closed the shared session under the slow request, which then failed.
+    slow, fast = run_against(handler, body, tokens=["old", "new"])
+    assert slow == {"ok": "/apis/apps/v1/namespaces/ns/deployments/slow"}
+    assert fast == {"ok": "/apis/apps/v1/namespaces/ns/deployments/fast"}
+
+
+def test_concurrent_401s_log_in_once() -> None:
+    async def handler(r: web.Request) -> web.Response:
+        if r.headers.get("Authorization") == "Bearer old":
+            await asyncio.sleep(0.05)
+            return status(401, "Unauthorized", "token expired")
+        return web.json_response({})
+
+    async def body(k: Kube) -> list[Any]:
+        return list(await asyncio.gather(*(k.get("Pod", "ns", f"p{i}") for i in range(5))))
+
+    assert run_against(handler, body, tokens=["old", "new"]) == [{}] * 5  # a third login would raise StopIteration
+
+
+def test_delete_with_a_uid_precondition() -> None:
+    seen: list[Any] = []
+
+    async def handler(r: web.Request) -> web.Response:
+        seen.append(json.loads(await r.text()))
+        return web.json_response({})
+
+    assert run_against(handler, lambda k: k.delete("ConfigMap", "ns", "m-args", uid="abc")) is True
+    assert seen[0]["preconditions"] == {"uid": "abc"} and seen[0]["propagationPolicy"] == "Background"
+
+
 def test_delete_tolerates_absence() -> None:
     async def handler(r: web.Request) -> web.Response:
         assert r.method == "DELETE"

@@ -63,24 +63,37 @@ def test_base_renders_the_crds_and_the_operator() -> None:
             assert d["metadata"]["namespace"] == "kvfleet-system"
 
 
+def _verbs(group: str, resource: str) -> set[str]:
+    return {v for r in find("ClusterRole")["rules"] if group in r["apiGroups"] and resource in r["resources"]
+            for v in r["verbs"]}
+
+
 def _allowed(group: str, resource: str, verb: str) -> bool:
-    return any(group in r["apiGroups"] and resource in r["resources"] and verb in r["verbs"]
-               for r in find("ClusterRole")["rules"])
+    return verb in _verbs(group, resource)
+
+
+# What the operator does with each kind kube.py knows (get: ownership checks and reads; create + patch:
+# server-side apply; list + watch: kopf's watches; delete: only the args ConfigMap; pods: the autoscaler lists).
+CALLS = {"Deployment": {"get", "list", "watch", "create", "patch"}, "Service": {"get", "create", "patch"},
+         "PodDisruptionBudget": {"get", "create", "patch"}, "ConfigMap": {"get", "create", "patch", "delete"},
+         "Pod": {"list"}, "InferenceDeployment": {"get", "list", "watch", "patch"}}
 
 
 def test_rbac_covers_every_call_and_no_more() -> None:
     groups = {"/api/v1": "", "/apis/apps/v1": "apps", "/apis/policy/v1": "policy",
               "/apis/serving.kvfleet.dev/v1alpha1": "serving.kvfleet.dev"}
+    assert set(kube._KINDS) == set(CALLS)
     for kind, (prefix, plural) in kube._KINDS.items():
-        g = groups[prefix]
-        assert _allowed(g, plural, "get") and _allowed(g, plural, "list") and _allowed(g, plural, "watch"), kind
-        if kind not in ("Pod", "InferenceDeployment"):
-            for verb in ("create", "patch", "delete"):
-                assert _allowed(g, plural, verb), (kind, verb)
-    assert _allowed("serving.kvfleet.dev", "inferencedeployments/status", "patch")
+        assert _verbs(groups[prefix], plural) == CALLS[kind], kind
+    assert _verbs("serving.kvfleet.dev", "inferencedeployments/status") == {"patch"}
+    # blockOwnerDeletion on the owner references needs this under OwnerReferencesPermissionEnforcement.
+    assert _verbs("serving.kvfleet.dev", "inferencedeployments/finalizers") == {"update"}
     assert not _allowed("serving.kvfleet.dev", "inferencedeployments", "update")  # never writes the spec
     assert not _allowed("", "pods", "delete") and not _allowed("", "secrets", "get")
-    assert _allowed("", "events", "create") and _allowed("kopf.dev", "clusterkopfpeerings", "patch")
+    assert not _allowed("", "configmaps", "list")  # no cluster-wide read of every ConfigMap
+    assert _verbs("", "events") == {"create", "patch"}
+    assert _verbs("kopf.dev", "clusterkopfpeerings") == {"list", "watch", "patch"}
+    assert not _verbs("kopf.dev", "kopfpeerings")  # namespaced peering is refused by the config
     subject = find("ClusterRoleBinding")["subjects"][0]
     assert (subject["name"], subject["namespace"]) == ("kvfleet-operator", "kvfleet-system")
 

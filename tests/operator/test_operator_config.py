@@ -18,16 +18,27 @@ def test_everything_from_env() -> None:
     cfg = OperatorConfig.from_env({
         "KVFLEET_WATCH_NAMESPACE": "team-a, team-b", "KVFLEET_AGENT_IMAGE": "r/agent:1", "KVFLEET_OPERATOR_PORT": "0",
         "KVFLEET_SCRAPE_TIMEOUT_SECONDS": "0.5", "KVFLEET_LOG_FORMAT": "text", "KVFLEET_LOG_LEVEL": "debug",
-        "KVFLEET_PEERING": "kvfleet", "KVFLEET_PEERING_PRIORITY": "10", "KVFLEET_POST_EVENTS": "false"})
+        "KVFLEET_PEERING_PRIORITY": "10", "KVFLEET_POST_EVENTS": "false",
+        "KVFLEET_UNSCHEDULABLE_GRACE_SECONDS": "30", "KVFLEET_RESYNC_SECONDS": "120"})
     assert cfg.namespaces == ("team-a", "team-b") and not cfg.clusterwide
     assert (cfg.agent_image, cfg.port, cfg.scrape_timeout_seconds, cfg.log_format, cfg.log_level) == (
         "r/agent:1", 0, 0.5, "text", "DEBUG")
-    assert (cfg.peering, cfg.peering_priority, cfg.post_events) == ("kvfleet", 10, False)
+    assert (cfg.peering, cfg.peering_priority, cfg.post_events) == ("", 10, False)
+    assert (cfg.unschedulable_grace_seconds, cfg.resync_seconds) == (30.0, 120.0)
+
+
+def test_namespaced_watching_with_peering_is_refused() -> None:
+    # kopf would look for namespaced KopfPeering objects that the manifests do not create, and wait forever.
+    with pytest.raises(ValueError, match="KVFLEET_WATCH_NAMESPACE=team-a with KVFLEET_PEERING=kvfleet"):
+        OperatorConfig.from_env({"KVFLEET_WATCH_NAMESPACE": "team-a", "KVFLEET_PEERING": "kvfleet"})
+    assert OperatorConfig.from_env({"KVFLEET_PEERING": "kvfleet"}).peering == "kvfleet"
 
 
 @pytest.mark.parametrize(("name", "value"), [("KVFLEET_OPERATOR_PORT", "http"), ("KVFLEET_OPERATOR_PORT", "70000"),
                                              ("KVFLEET_LOG_FORMAT", "xml"), ("KVFLEET_POST_EVENTS", "maybe"),
-                                             ("KVFLEET_SCRAPE_TIMEOUT_SECONDS", "soon")])
+                                             ("KVFLEET_SCRAPE_TIMEOUT_SECONDS", "soon"),
+                                             ("KVFLEET_RESYNC_SECONDS", "0"),
+                                             ("KVFLEET_UNSCHEDULABLE_GRACE_SECONDS", "-1")])
 def test_bad_values_name_the_variable(name: str, value: str) -> None:
     with pytest.raises(ValueError, match=name):
         OperatorConfig.from_env({name: value})

@@ -1,0 +1,153 @@
+"""The builtin autoscaler's loop for one InferenceDeployment: pods → scrape → window → decide() → replicas + status."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, cast
+
+import aiohttp
+import kopf
+from pydantic import ValidationError
+
+from kvfleet_operator import metrics
+from kvfleet_operator.autoscaler import AutoscalerState, Decision, Observation, decide
+from kvfleet_operator.autoscaling_status import autoscaling_status, conditions, policy, rebuild_state
+from kvfleet_operator.builders import selector_string
+from kvfleet_operator.config import OperatorConfig
+from kvfleet_operator.fleet import Fleet, StartupTracker, classify
+from kvfleet_operator.kube import AUTOSCALER_MANAGER, ApiError, Kube
+from kvfleet_operator.models import API_VERSION, KIND, InferenceDeploymentSpec
+from kvfleet_operator.ownership import classify as ownership
+from kvfleet_operator.reconcile import ReconcileError, apply_desired
+from kvfleet_operator.scrape import MetricsWindow, scrape_pods
+from kvfleet_operator.status import AUTOSCALER_CONDITIONS, CAPACITY_BLOCKED, METRICS_AVAILABLE, now_rfc3339
+
+DEFAULT_INTERVAL = 15.0
+EventFn = Callable[..., None]
+
+
+@dataclass
+class Memory:
+    """What one InferenceDeployment's loop keeps between rounds (in kopf's memo, by uid; lost on restart)."""
+
+    window: MetricsWindow
+    startups: StartupTracker = field(default_factory=StartupTracker.empty)
+    state: AutoscalerState | None = None  # None: rebuild from status.autoscaling on the first round
+
+
+def memory(memo: kopf.Memo, uid: str) -> Memory:
+    loops: dict[str, Memory] = memo.setdefault("autoscaling", {})
+    return loops.setdefault(uid, Memory(MetricsWindow()))
+
+
+async def run(namespace: str, name: str, uid: str, memo: kopf.Memo, stopped: kopf.DaemonStopped,
+              logger: logging.Logger | logging.LoggerAdapter[Any]) -> None:
+    """Decide every spec.autoscaling.intervalSeconds until stopped, or until the object is gone or replaced."""
+    interval: float | None = DEFAULT_INTERVAL
+    try:
+        while not stopped:
+            try:
+                interval = await tick(namespace, name, uid, memo)
+            except (ApiError, ReconcileError, aiohttp.ClientError, TimeoutError) as e:
+                metrics.AUTOSCALE_TICKS.labels(result="error").inc()
+                logger.warning(f"autoscaling round failed, next in {interval:g}s: {e}")
+            if interval is None:
+                return
+            await stopped.wait(interval)
+    finally:
+        if interval is None:
+            memo.get("autoscaling", {}).pop(uid, None)
+
+
+async def tick(namespace: str, name: str, uid: str, memo: kopf.Memo, *, clock: Callable[[], float] = time.time,
+               post_event: EventFn | None = None) -> float | None:
+    """One round. Returns the seconds until the next, or None once the object is gone or replaced. A round that
+    cannot decide (no Deployment yet, an invalid spec, mode no longer builtin) changes nothing."""
+    kube: Kube = memo["kube"]
+    cfg: OperatorConfig = memo["cfg"]
+    cr = await kube.get(KIND, namespace, name)
+    meta = (cr or {}).get("metadata") or {}
+    if cr is None or meta.get("uid") != uid or meta.get("deletionTimestamp"):
+        return None
+    try:
+        spec = InferenceDeploymentSpec.model_validate(cr.get("spec") or {})
+    except ValidationError:
+        return DEFAULT_INTERVAL  # the reconcile reports it (Degraded=InvalidSpec)
+    a = spec.autoscaling
+    if a.mode != "builtin":
+        return float(a.interval_seconds)
+    dep = await kube.get("Deployment", namespace, name)
+    if dep is None or ownership(dep, "Deployment", namespace, name, uid).verdict != "ours":
+        return float(a.interval_seconds)  # not created yet, or not ours to scale: the reconcile says why
+    now = clock()
+    mem = memory(memo, uid)
+    fleet = classify(await kube.list("Pod", namespace, selector_string(name)), now, cfg.unschedulable_grace_seconds)
+    result = await scrape_pods(fleet.targets(), timeout=cfg.scrape_timeout_seconds, clock=clock)
+    for err in result.errors.values():
+        metrics.SCRAPE_ERRORS.labels(reason=metrics.scrape_error_reason(err)).inc()
+    mem.window.seconds = float(a.window_seconds)
+    # The window follows the ready pods: one that misses a scrape keeps its history, one that stops serving
+    # (unready, deleted) leaves it.
+    mem.window.update(result.snapshots.values(), live={p.name for p in fleet.ready}, now=now)
+    pol = policy(a)
+    previous = (cr.get("status") or {}).get("autoscaling")
+    complete = len(result.snapshots) == len(fleet.ready)
+    # The window's sums cover every pod in it, so with a pod missing this round they would add that pod's
+    # stale sample to a total decide() divides by the pods that reported: then take this round's fresh sum,
+    # and no mean (decide() moves down only when the newest depth and the window's mean agree).
+    queue: float | None = None
+    queue_mean: float | None = None
+    if result.snapshots:
+        if complete:
+            queue, queue_mean = mem.window.queue_depth(), mem.window.mean_queue_depth()
+        else:
+            queue = sum(s.queue_depth for s in result.snapshots.values())
+    obs = Observation(
+        now=now, current_replicas=int(dep["spec"].get("replicas") or 0), ready_replicas=len(fleet.ready),
+        starting_replicas=len(fleet.starting), reporting_replicas=len(result.snapshots),
+        unschedulable_replicas=len(fleet.unschedulable), queue_depth=queue, queue_depth_mean=queue_mean,
+        latency={t.source: mem.window.latency(t.metric, t.percentile / 100) for t in pol.latency_targets},
+        new_startup_durations=mem.startups.observe(fleet), starting_ages=fleet.starting_ages(now))
+    state = mem.state if mem.state is not None else rebuild_state(previous)
+    d = decide(pol, obs, state)
+    if d.desired_replicas != d.current_replicas:
+        # The same full plan and field manager as the reconcile, with the decided replicas; it fails loudly
+        # (and this round's state is dropped, so the next round decides again) if the object changed hands.
+        if await apply_desired(namespace, name, memo, d.desired_replicas, uid=uid) is None:
+            return None  # deleted or replaced meanwhile
+        up = d.desired_replicas > d.current_replicas
+        _event(post_event, cr, "Normal", "ScaledUp" if up else "ScaledDown",
+               f"{d.current_replicas} → {d.desired_replicas} replicas: {d.reason}")
+    mem.state = d.state
+    metrics.set_desired(namespace, name, d.limited_by, d.desired_replicas)
+    metrics.AUTOSCALE_TICKS.labels(result="scaled" if d.desired_replicas != d.current_replicas else "kept").inc()
+    await _write_status(kube, cr, d, fleet, result.errors, mem.window.quantile("ttft", 0.95), post_event)
+    return float(a.interval_seconds)
+
+
+async def _write_status(kube: Kube, cr: dict[str, Any], d: Decision, fleet: Fleet, errors: Mapping[str, str],
+                        ttft_p95: float | None, post_event: EventFn | None) -> None:
+    meta, status = cr["metadata"], cr.get("status") or {}
+    previous = [c for c in status.get("conditions") or [] if c.get("type") in AUTOSCALER_CONDITIONS]
+    conds = conditions(d, fleet, errors, generation=int(meta.get("generation") or 0), now=now_rfc3339(),
+                       previous=previous)
+    was = {c["type"]: c.get("status") for c in previous}
+    for c in conds:  # a warning when capacity or metrics go missing, once per transition rather than every round
+        blocked = c["type"] == CAPACITY_BLOCKED and c["status"] == "True"
+        blind = c["type"] == METRICS_AVAILABLE and c["reason"] == "ScrapeFailed"
+        if (blocked or blind) and was.get(c["type"]) != c["status"]:
+            _event(post_event, cr, "Warning", c["reason"], c["message"])
+    body = autoscaling_status(d, status.get("autoscaling"), ttft_p95).model_dump(mode="json", by_alias=True,
+                                                                                 exclude_none=True)
+    await kube.apply({"apiVersion": API_VERSION, "kind": KIND,
+                      "metadata": {"name": meta["name"], "namespace": meta["namespace"]},
+                      "status": {"autoscaling": body, "conditions": conds}},
+                     subresource="status", manager=AUTOSCALER_MANAGER)
+
+
+def _event(post: EventFn | None, cr: dict[str, Any], type_: str, reason: str, message: str) -> None:
+    # kopf.event reads only apiVersion, kind and metadata, through Mapping.get: a plain dict serves.
+    (post or kopf.event)(cast(kopf.Body, cr), type=type_, reason=reason, message=message[:1024])

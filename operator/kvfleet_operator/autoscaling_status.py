@@ -1,0 +1,145 @@
+"""Pure: spec → autoscaler policy, Decision → the CRD's status.autoscaling and conditions, and back after a restart."""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Mapping
+from datetime import UTC, datetime
+from typing import Any
+
+from pydantic import ValidationError
+
+from kvfleet_operator.autoscaler import (
+    AutoscalerState,
+    AutoscalingPolicy,
+    Behavior,
+    Decision,
+    LatencyTarget,
+    ScaleEvent,
+    ScalingPolicy,
+    ScalingRules,
+)
+from kvfleet_operator.fleet import Fleet, timestamp
+from kvfleet_operator.models import AutoscalingSpec, ScaleDownRules, ScaleUpRules
+from kvfleet_operator.status import (
+    AUTOSCALER_CONDITIONS,
+    CAPACITY_BLOCKED,
+    METRICS_AVAILABLE,
+    SCALING_ACTIVE,
+    SCALING_LIMITED,
+    AutoscalingStatus,
+    Condition,
+    ScalingDecision,
+    ScalingProposal,
+    condition,
+)
+
+HISTORY = 10  # decisions that changed replicas kept in status, newest first
+
+
+def rfc3339(t: float) -> str:
+    """Unix seconds as a Kubernetes timestamp."""
+    return datetime.fromtimestamp(t, UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def _rules(r: ScaleUpRules | ScaleDownRules) -> ScalingRules:
+    return ScalingRules(r.stabilization_window_seconds,
+                        tuple(ScalingPolicy(p.type, p.value, p.period_seconds) for p in r.policies), r.select_policy)
+
+
+def policy(a: AutoscalingSpec) -> AutoscalingPolicy:
+    """spec.autoscaling as the pure decision function's policy (the CRD's defaults, not the autoscaler module's)."""
+    return AutoscalingPolicy(
+        mode=a.mode, min_replicas=a.min_replicas, max_replicas=a.max_replicas, tolerance=a.tolerance,
+        queue_depth_per_replica=a.targets.queue_depth_per_replica,
+        latency_targets=tuple(LatencyTarget(t.metric, t.percentile, t.seconds) for t in a.targets.latency),
+        behavior=Behavior(_rules(a.behavior.scale_up), _rules(a.behavior.scale_down)),
+        startup_grace_seconds=a.startup_grace_seconds)
+
+
+def _finite(x: float | None) -> float | None:
+    return x if x is not None and math.isfinite(x) else None
+
+
+def decision_status(d: Decision) -> ScalingDecision:
+    """One Decision in the CRD's shape: an RFC3339 time, and no expectedStartupSeconds (that sits one level up)."""
+    return ScalingDecision(
+        time=rfc3339(d.time), current_replicas=d.current_replicas, ready_replicas=d.ready_replicas,
+        starting_replicas=d.starting_replicas, desired_replicas=d.desired_replicas,
+        proposals=[ScalingProposal(source=p.source, observed=_finite(p.observed), target=p.target,
+                                   replicas=p.replicas) for p in d.proposals][:16],
+        limited_by=d.limited_by, reason=d.reason[:1024])
+
+
+def autoscaling_status(d: Decision, previous: Mapping[str, Any] | None,
+                       ttft_p95: float | None) -> AutoscalingStatus:
+    """status.autoscaling after decision `d`; `previous` is the stored status.autoscaling (for the history)."""
+    last = decision_status(d)
+    history = []
+    for h in (previous or {}).get("history") or []:
+        with contextlib.suppress(ValidationError):  # an entry of another shape (older operator) is dropped
+            history.append(ScalingDecision.model_validate(h))
+    if d.desired_replicas != d.current_replicas:
+        history.insert(0, last)
+    return AutoscalingStatus(
+        last_decision=last, history=history[:HISTORY],
+        expected_startup_seconds=None if d.expected_startup_seconds is None else round(d.expected_startup_seconds, 1),
+        last_ttft_p95_seconds=None if _finite(ttft_p95) is None else round(ttft_p95 or 0.0, 4))
+
+
+def _camel(limited_by: str) -> str:
+    return limited_by[:1].upper() + limited_by[1:]
+
+
+def conditions(d: Decision, fleet: Fleet, errors: Mapping[str, str], *, generation: int, now: str,
+               previous: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """ScalingActive, ScalingLimited, CapacityBlocked and MetricsAvailable for decision `d`."""
+    prev = {c.get("type", ""): c for c in previous if c.get("type") in AUTOSCALER_CONDITIONS}
+
+    def cond(type_: str, ok: bool, reason: str, message: str) -> dict[str, Any]:
+        return condition(type_, ok, reason, message, generation, now, prev)
+
+    active = (cond(SCALING_ACTIVE, False, "NoMetrics", d.reason) if d.limited_by == "noMetrics"
+              else cond(SCALING_ACTIVE, True, "ValidMetricFound", d.reason))
+    limited = (cond(SCALING_LIMITED, False, "DesiredWithinRange", d.reason) if d.limited_by == "none"
+               else cond(SCALING_LIMITED, True, _camel(d.limited_by), d.reason))
+    if fleet.unschedulable:
+        first = fleet.unschedulable[0]
+        blocked = cond(CAPACITY_BLOCKED, True, "Unschedulable",
+                       f"{len(fleet.unschedulable)} pods cannot be scheduled ({first.name}: "
+                       f"{first.unschedulable_message or 'Unschedulable'}); no scale-up until they schedule")
+    else:
+        blocked = cond(CAPACITY_BLOCKED, False, "AllPodsSchedulable", "no pod is waiting for capacity")
+    ready = len(fleet.ready)
+    reporting = ready - sum(1 for p in fleet.ready if p.name in errors)
+    if ready == 0:
+        metrics = cond(METRICS_AVAILABLE, False, "NoReadyReplicas", "no ready pod to read metrics from")
+    elif errors:
+        detail = "; ".join(f"{pod}: {err}" for pod, err in sorted(errors.items()))
+        metrics = cond(METRICS_AVAILABLE, False, "ScrapeFailed",
+                       f"{reporting}/{ready} ready pods reported metrics (never scaling down on partial data): "
+                       f"{detail}")
+    else:
+        metrics = cond(METRICS_AVAILABLE, True, "AllReplicasReporting", f"{ready}/{ready} ready pods reported metrics")
+    out = [active, limited, blocked, metrics]
+    for c in out:
+        Condition.model_validate(c)  # the CRD would refuse it: fail here, where the bug is
+    return out
+
+
+def rebuild_state(previous: Mapping[str, Any] | None) -> AutoscalerState:
+    """The decision function's carried state after an operator restart, from what status.autoscaling kept.
+
+    Scale events come back from the history (so rate limits still count recent changes) and the learned startup
+    time as one sample. The stabilization windows' recommendations are not stored: decide() then seeds them
+    with the current count, which delays a scale-down by one window and never causes one (the safe side)."""
+    prev = previous or {}
+    events = []
+    for h in reversed(prev.get("history") or []):
+        t = timestamp(h.get("time"))
+        change = int(h.get("desiredReplicas") or 0) - int(h.get("currentReplicas") or 0)
+        if t is not None and change:
+            events.append(ScaleEvent(t, change))
+    expected = prev.get("expectedStartupSeconds")
+    return AutoscalerState((), tuple(events), (float(expected),) if isinstance(expected, int | float) else ())

@@ -1,0 +1,91 @@
+"""autoscaling_status.py: the spec as a policy; a Decision in the CRD's status shape; state back after a restart."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import pytest
+
+from kvfleet_operator.autoscaler import DEFAULT_SCALE_UP, AutoscalerState, Decision, Proposal, ScaleEvent
+from kvfleet_operator.autoscaling_status import autoscaling_status, conditions, decision_status, policy, rebuild_state
+from kvfleet_operator.fleet import Fleet, Pod
+from kvfleet_operator.models import AutoscalingSpec
+from kvfleet_operator.status import AutoscalingStatus, InferenceDeploymentStatus
+
+NOW = 1767225600.0  # 2026-01-01T00:00:00Z
+
+
+def decision(current: int = 2, desired: int = 4, limited_by: Any = "none", t: float = NOW,
+             expected: float | None = 42.04) -> Decision:
+    proposals = (Proposal("queue", 30.0, 4.0, 4), Proposal("ttft_p95", math.nan, 0.5, 1))
+    return Decision(t, current, 2, 0, desired, proposals, limited_by,
+                    "queue depth 30 at target 4 per replica with 2 ready: proposing 4; scaling to 4", expected,
+                    AutoscalerState())
+
+
+def test_policy_takes_the_crds_defaults_and_every_knob() -> None:
+    spec = AutoscalingSpec.model_validate({
+        "mode": "builtin", "minReplicas": 2, "maxReplicas": 9, "tolerance": 0.2,
+        "targets": {"queueDepthPerReplica": 6, "latency": [{"metric": "ttft", "percentile": 95, "seconds": 0.5}]},
+        "behavior": {"scaleDown": {"stabilizationWindowSeconds": 20}}})
+    p = policy(spec)
+    assert (p.min_replicas, p.max_replicas, p.tolerance, p.queue_depth_per_replica) == (2, 9, 0.2, 6)
+    assert [t.source for t in p.latency_targets] == ["ttft_p95"]
+    assert p.behavior.scale_down.stabilization_window_seconds == 20
+    # The CRD's scale-up default, which is the one the autoscaler was tuned with.
+    assert [(q.type, q.value, q.period_seconds) for q in p.behavior.scale_up.policies] == [
+        ("Percent", 400, 15), ("Pods", 16, 15)]
+    assert p.behavior.scale_up == DEFAULT_SCALE_UP
+
+
+def test_decision_in_the_crds_shape() -> None:
+    d = decision_status(decision())
+    out = d.model_dump(mode="json", by_alias=True, exclude_none=True)
+    assert out["time"] == "2026-01-01T00:00:00Z"  # RFC3339, not the decision's epoch float
+    assert "expectedStartupSeconds" not in out
+    assert out["proposals"][1] == {"source": "ttft_p95", "target": 0.5, "replicas": 1}  # NaN is no observation
+    assert (out["currentReplicas"], out["desiredReplicas"], out["limitedBy"]) == (2, 4, "none")
+
+
+def test_history_keeps_ten_changes_newest_first() -> None:
+    status: dict[str, object] = {}
+    for i in range(12):
+        status = autoscaling_status(decision(current=i, desired=i + 1, t=NOW + i), status, 0.123456).model_dump(
+            mode="json", by_alias=True, exclude_none=True)
+    kept = autoscaling_status(decision(current=5, desired=5, t=NOW + 99), status, None)
+    assert len(kept.history) == 10 and kept.history[0].current_replicas == 11  # an unchanged decision adds none
+    assert kept.last_decision is not None and kept.last_decision.desired_replicas == 5
+    assert status["expectedStartupSeconds"] == 42.0 and status["lastTtftP95Seconds"] == 0.1235
+    full = InferenceDeploymentStatus.model_validate({"autoscaling": status})  # what the CRD schema holds
+    assert isinstance(full.autoscaling, AutoscalingStatus)
+
+
+def test_state_after_a_restart_comes_back_from_the_status() -> None:
+    status = autoscaling_status(decision(2, 4, t=NOW), None, None).model_dump(mode="json", by_alias=True)
+    state = rebuild_state(status)
+    assert state.scale_events == (ScaleEvent(NOW, 2),) and state.startup_durations == (42.0,)
+    assert state.recommendations == ()  # decide() seeds them with the current count: no scale-down at once
+    assert rebuild_state(None) == AutoscalerState()
+
+
+def pod(name: str, message: str = "") -> Pod:
+    return Pod(name, f"u-{name}", NOW, NOW, f"http://{name}/metrics", NOW if message else None, message)
+
+
+@pytest.mark.parametrize(("limited_by", "active", "limited"), [("none", "True", "False"),
+                                                              ("scaleDownStabilization", "True", "True"),
+                                                              ("noMetrics", "False", "True")])
+def test_conditions(limited_by: str, active: str, limited: str) -> None:
+    fleet = Fleet((pod("a"), pod("b")), (pod("c", "0/3 nodes are available"),), (pod("c", "0/3 nodes are available"),))
+    out = {c["type"]: c for c in conditions(decision(limited_by=limited_by), fleet, {"b": "timeout after 2s"},
+                                            generation=3, now="2026-01-01T00:00:00Z", previous=[])}
+    assert out["ScalingActive"]["status"] == active and out["ScalingLimited"]["status"] == limited
+    if limited_by == "scaleDownStabilization":
+        assert out["ScalingLimited"]["reason"] == "ScaleDownStabilization"
+    assert (out["CapacityBlocked"]["status"], out["CapacityBlocked"]["reason"]) == ("True", "Unschedulable")
+    assert "0/3 nodes are available" in out["CapacityBlocked"]["message"]
+    metrics = out["MetricsAvailable"]
+    assert (metrics["status"], metrics["reason"]) == ("False", "ScrapeFailed")
+    assert "1/2 ready pods reported" in metrics["message"] and "b: timeout after 2s" in metrics["message"]
+    assert all(c["observedGeneration"] == 3 for c in out.values())
