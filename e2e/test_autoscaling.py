@@ -60,9 +60,13 @@ def test_scales_on_load_explains_and_waits_out_the_window(cluster: LocalCluster,
         wait_for("a scale-up", lambda: deployment_replicas(cluster, namespace, name) > 1,
                  timeout=2 * INTERVAL_S + 10, interval=0.25)
         up_after = time.monotonic() - started
-        cr = get_cr(cluster, namespace, name)
-        decision = cr["status"]["autoscaling"]["lastDecision"]
-        assert decision["desiredReplicas"] > decision["currentReplicas"], decision
+
+        def scale_up_decision() -> dict[str, Any] | None:
+            # The replicas are applied first, then the decision is written to status (a moment later).
+            d = get_cr(cluster, namespace, name).get("status", {}).get("autoscaling", {}).get("lastDecision")
+            return d if d and d["desiredReplicas"] > d["currentReplicas"] else None
+
+        decision = wait_for("the scale-up decision in status", scale_up_decision, timeout=2 * INTERVAL_S)
         assert any(p["source"] == "queue" and p["observed"] > 4 for p in decision["proposals"]), decision
         assert "queue" in decision["reason"], decision
         ups = [e for e in events(cluster, namespace, name) if e["reason"] == "ScaledUp"]
