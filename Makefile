@@ -4,7 +4,7 @@ CLUSTER_DIR ?= /tmp/kvfleet-cluster
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | sha256sum | cut -c1-12)
 
-.PHONY: setup demo demo-offline test lint unit cluster-test bench cluster-up cluster-down clean
+.PHONY: setup demo demo-offline test lint unit cluster-bins cluster-test bench cluster-up cluster-down clean
 
 setup: $(STAMP)
 
@@ -33,13 +33,16 @@ lint: setup
 unit: setup
 	$(PY) -m pytest -q
 
-# The cluster tier: builds the control-plane binaries once (about 10 min cold, cached by version
-# outside the repo), then runs e2e/ against a real API server with the process kubelet.
-cluster-test: setup
+# The control-plane binaries (and kubectl), built once: about 10 min cold, cached by version outside the repo.
+cluster-bins:
 	bash e2e/build.sh >/dev/null
+
+# The cluster tier: e2e/ against a real API server, with the process kubelet running real agents.
+cluster-test: setup cluster-bins
 	$(PY) -m pytest e2e -m cluster -q -p no:cacheprovider
 
-test: lint unit cluster-test
+# Binaries before the unit tests: the kustomize rendering test uses the kubectl built with them.
+test: lint cluster-bins unit cluster-test
 
 bench: setup
 	$(PY) ../shared/bench/compare_throughput.py
