@@ -1,8 +1,10 @@
 # kvfleet agent (GPU): docker build -f docker/agent.Dockerfile -t ghcr.io/kvfleet/kvfleet-agent:0.1.0 .
 # PyPI's Linux torch wheels bring their CUDA libraries; the node's driver comes in through the NVIDIA runtime.
+# For a small CPU-only image (demos, kind): --build-arg TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
 ARG PYTHON_VERSION=3.11
 
 FROM python:${PYTHON_VERSION}-slim AS build
+ARG TORCH_INDEX_URL=""
 ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
 RUN python -m venv /opt/venv
 ENV PATH=/opt/venv/bin:$PATH
@@ -11,7 +13,8 @@ COPY pyproject.toml README.md ./
 COPY agent agent
 COPY kernels kernels
 COPY operator operator
-RUN pip install ".[gpu]"
+RUN if [ -n "$TORCH_INDEX_URL" ]; then pip install torch --index-url "$TORCH_INDEX_URL"; fi \
+    && pip install ".[gpu]"
 
 FROM python:${PYTHON_VERSION}-slim
 # Triton compiles a small C launcher the first time a kernel runs, so the runtime image needs a C compiler.

@@ -91,7 +91,9 @@ build_images() {
   else
     # Each Dockerfile has its own <Dockerfile>.dockerignore, which only BuildKit reads (Docker's default since 23.0).
     step "building $AGENT_IMAGE from docker/agent.Dockerfile (the first build downloads PyTorch: minutes)"
-    DOCKER_BUILDKIT=1 docker build -f "$ROOT/docker/agent.Dockerfile" -t "$AGENT_IMAGE" "$ROOT"
+    # The tiny sample runs on CPU: CPU torch wheels keep the image small (TORCH_INDEX_URL= for the CUDA ones).
+    DOCKER_BUILDKIT=1 docker build -f "$ROOT/docker/agent.Dockerfile" -t "$AGENT_IMAGE" \
+        --build-arg "TORCH_INDEX_URL=${TORCH_INDEX_URL-https://download.pytorch.org/whl/cpu}" "$ROOT"
     step "building $OPERATOR_IMAGE from docker/operator.Dockerfile"
     DOCKER_BUILDKIT=1 docker build -f "$ROOT/docker/operator.Dockerfile" -t "$OPERATOR_IMAGE" "$ROOT"
   fi
