@@ -25,9 +25,10 @@ def deployment_replicas(cluster: LocalCluster, namespace: str, name: str) -> int
     return int(cluster.kubectl_json("get", "deployment", name, "-n", namespace)["spec"]["replicas"])
 
 
-def events(cluster: LocalCluster, namespace: str, name: str) -> list[dict[str, Any]]:
+def scaling_events(cluster: LocalCluster, namespace: str, name: str, reason: str) -> list[dict[str, Any]]:
+    """The CR's events with this reason (kopf posts events in the background: poll for them)."""
     items: list[dict[str, Any]] = cluster.kubectl_json(
-        "get", "events", "-n", namespace, "--field-selector", f"involvedObject.name={name}")["items"]
+        "get", "events", "-n", namespace, "--field-selector", f"involvedObject.name={name},reason={reason}")["items"]
     return items
 
 
@@ -69,8 +70,8 @@ def test_scales_on_load_explains_and_waits_out_the_window(cluster: LocalCluster,
         decision = wait_for("the scale-up decision in status", scale_up_decision, timeout=2 * INTERVAL_S)
         assert any(p["source"] == "queue" and p["observed"] > 4 for p in decision["proposals"]), decision
         assert "queue" in decision["reason"], decision
-        ups = [e for e in events(cluster, namespace, name) if e["reason"] == "ScaledUp"]
-        assert ups and "queue" in ups[0]["message"], ups
+        ups = wait_for("a ScaledUp event", lambda: scaling_events(cluster, namespace, name, "ScaledUp"), timeout=10)
+        assert "queue" in ups[0]["message"], ups
         print(f"\nscaled up {up_after:.1f}s after the load started: {decision['reason']}")
         wait_ready(cluster, namespace, name, 3)  # the new agents load and go Ready
     finally:
@@ -104,7 +105,7 @@ def test_scales_on_load_explains_and_waits_out_the_window(cluster: LocalCluster,
     # Metrics back, queue empty: it scales down.
     wait_for("a scale-down", lambda: deployment_replicas(cluster, namespace, name) < 3,
              timeout=DOWN_WINDOW_S + 4 * INTERVAL_S)
-    downs = [e for e in events(cluster, namespace, name) if e["reason"] == "ScaledDown"]
-    assert downs, events(cluster, namespace, name)
+    downs = wait_for("a ScaledDown event", lambda: scaling_events(cluster, namespace, name, "ScaledDown"), timeout=10)
+    assert "queue" in downs[0]["message"], downs
     history = get_cr(cluster, namespace, name)["status"]["autoscaling"]["history"]
     assert len(history) >= 2 and all("reason" in h for h in history)
