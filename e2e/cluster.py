@@ -245,10 +245,7 @@ class LocalCluster:
         return _http_get(f"https://127.0.0.1:{port}/healthz", ctx) == "ok"
 
     def _start_pod_network(self) -> None:
-        def spawn_fn(name: str, argv: list[str], record: list[str], env: dict[str, str] | None) -> Proc:
-            return self._spawn(name, argv, record, env)
-
-        _, holder, _ = pod_network.start(self.run_dir, self.ports["apiserver"], spawn_fn, self.timeout)
+        _, holder, _ = pod_network.start(self.run_dir, self.ports["apiserver"], self._spawn, self.timeout)
         self.netns_pid = holder.pid
 
     # -- the pod network, from the host

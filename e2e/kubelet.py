@@ -90,7 +90,7 @@ class Kubelet:
         meta = pod["metadata"]
         if runner is not None:
             grace = float(meta.get("deletionGracePeriodSeconds") or 0)
-            await runner.stop(grace, runner.pre_stop_seconds() if grace > 0 else 0.0)
+            await runner.stop(grace, pre_stop=grace > 0)
             self.pods.pop(meta["uid"], None)
             self.record_pids()
         backoff = 0.5

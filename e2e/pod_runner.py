@@ -72,6 +72,7 @@ class PodRunner:
         self.start_time = now()
         self.transitions: dict[str, tuple[str, str]] = {}  # condition type → (status, lastTransitionTime)
         self.task: asyncio.Task[None] | None = None
+        self.spec: ProcessSpec | None = None  # set once prepare() succeeded
         self.stopping = False
 
     async def prepare(self) -> ProcessSpec:
@@ -138,10 +139,9 @@ class PodRunner:
     async def run(self) -> None:
         """Start, probe and restart until stopped; a failure to set up is retried with back-off."""
         backoff = 1.0
-        spec: ProcessSpec | None = None
         while not self.stopping:
             try:
-                spec = spec or await self.prepare()
+                spec = self.spec = self.spec or await self.prepare()
                 self._start(spec)
             except RETRY_ERRORS as exc:
                 print(f"pod {self.namespace}/{self.name} cannot start: {exc}", file=sys.stderr, flush=True)
@@ -228,17 +228,12 @@ class PodRunner:
         code = await loop.run_in_executor(None, proc.wait)
         return 128 - code if code < 0 else code  # Popen: -N for signal N → a kubelet's 128+N
 
-    async def stop(self, grace: float, pre_stop: float = 0.0) -> None:
-        """Stop the container for good (pod deleted, or the kubelet shutting down)."""
+    async def stop(self, grace: float, pre_stop: bool = False) -> None:
+        """Stop the container for good (pod deleted, or the kubelet shutting down); pre_stop runs its preStop sleep."""
         self.stopping = True
         if self.task is not None:
             self.task.cancel()
             with contextlib.suppress(Exception, asyncio.CancelledError):
                 await self.task
-        await self._kill(grace, pre_stop)
+        await self._kill(grace, self.spec.pre_stop_sleep if pre_stop and self.spec is not None else 0.0)
         self.kubelet.record_pids()
-
-    def pre_stop_seconds(self) -> float:
-        """The pod's preStop sleep, if it has one."""
-        lifecycle = self.pod["spec"]["containers"][0].get("lifecycle", {})
-        return float(lifecycle.get("preStop", {}).get("sleep", {}).get("seconds", 0))
