@@ -40,6 +40,7 @@ class Kvfleet:
         ready = len(fleet.ready_pods())
         obs = Observation(now, fleet.spec, ready, len(fleet.pods) - ready, len(snaps),
                           queue_depth=self.window.queue_depth(), queue_depth_mean=self.window.mean_queue_depth(),
+                          request_rate=self.window.request_rate(),
                           latency=latency, new_startup_durations=fleet.take_startups(),
                           starting_ages=fleet.starting_ages(now))
         d = decide(self.policy, obs, self.state)

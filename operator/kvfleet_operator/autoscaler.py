@@ -5,7 +5,11 @@
 #   1 ± tolerance (as in the HPA); the largest vote wins.
 #   queue: depth ∝ load^1.5, so n = ceil(ready × per_pod_ratio^(1/1.5)); going down, to where each replica
 #   would hold at most 1 - tolerance of the target (hysteresis); the newest depth and the window's mean must
-#   agree to move (up on the lower of the two, down on the higher).
+#   agree to move (up on the lower of the two, down on the higher). While the request rate falls significantly
+#   (a 10-minute least-squares trend), a scale-down asks for what the load will need when the scale-down
+#   window releases it, never below what the newest load needs: the window then answers the fall on time
+#   instead of a window late, and a pause in the fall costs nothing (the newest load holds the floor). The
+#   rate, not the depth, carries the trend: depth per replica changes when replicas do, demand does not.
 #   latency: n = ceil(ready × observed / target), ready as the base. Over target it never asks for fewer
 #   than current, and while replicas are on their way it adds only if the queue agrees (the latency of the
 #   ready ones keeps growing while others load: the same demand). Under target it does not vote when a queue
@@ -25,6 +29,19 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from kvfleet_operator.behavior import (
+    DEFAULT_SCALE_DOWN,
+    DEFAULT_SCALE_UP,
+    Behavior,
+    Recommendation,
+    ScaleEvent,
+    ScalingPolicy,
+    ScalingRules,
+    rate_limit,
+    stabilize,
+)
+from kvfleet_operator.trend import TREND_WINDOW_S, Trend, trend
+
 Mode = Literal["builtin", "external", "off"]
 LatencyMetric = Literal["ttft", "itl", "e2e"]
 LimitedBy = Literal["none", "tolerance", "scaleUpStabilization", "scaleUpRate", "scaleDownStabilization",
@@ -34,40 +51,6 @@ STARTUP_HISTORY = 10  # startup durations kept; the median of these is the expec
 # depth = r·A / (1 - r·B): the local exponent is 1 + rB / (1 - rB), 1.5 at a third of the decode-bound
 # saturation rate, where a sensible queue target sits. The simulator's replica measures ~1.5 there as well.
 QUEUE_DEPTH_EXPONENT = 1.5
-
-
-@dataclass(frozen=True)
-class ScalingPolicy:
-    """At most `value` pods (type Pods) or `value` percent of the replicas at the period's start, per period."""
-
-    type: Literal["Pods", "Percent"]
-    value: int
-    period_seconds: int
-
-
-@dataclass(frozen=True)
-class ScalingRules:
-    """One direction of HPA-style behavior: a stabilization window and rate-limit policies combined by select."""
-
-    stabilization_window_seconds: int
-    policies: tuple[ScalingPolicy, ...]
-    select_policy: Literal["Max", "Min", "Disabled"] = "Max"
-
-
-# Up: ×5 or +16 pods per 15 s (HPA: ×2 or +4). A surge's SLO misses pile up until the first new replicas are
-# ready, and the cold-start rule stops re-adding while they load, so the first decision must be large (in the
-# simulator: step 97.3% of requests within the TTFT target vs 96.8% at ×3/+8). Down: halve at most per 15 s
-# (HPA: 100%) after HPA's 300 s window, which also rules out an up-then-down reversal within 5 minutes.
-DEFAULT_SCALE_UP = ScalingRules(0, (ScalingPolicy("Percent", 400, 15), ScalingPolicy("Pods", 16, 15)))
-DEFAULT_SCALE_DOWN = ScalingRules(300, (ScalingPolicy("Percent", 50, 15),))
-
-
-@dataclass(frozen=True)
-class Behavior:
-    """HPA's behavior block: rules for scaling up and for scaling down."""
-
-    scale_up: ScalingRules = DEFAULT_SCALE_UP
-    scale_down: ScalingRules = DEFAULT_SCALE_DOWN
 
 
 @dataclass(frozen=True)
@@ -110,25 +93,10 @@ class Observation:
     unschedulable_replicas: int = 0  # Pending-Unschedulable past the grace period
     queue_depth: float | None = None  # waiting + running summed over reporting pods, newest scrape
     queue_depth_mean: float | None = None  # the same averaged over the metrics window (None: only the newest)
+    request_rate: float | None = None  # requests/s admitted over the last scrape interval, all pods (None: unknown)
     latency: Mapping[str, float | None] = field(default_factory=dict)  # LatencyTarget.source → seconds, None: no data
     new_startup_durations: tuple[float, ...] = ()  # creation → ready of pods that became ready since last round
     starting_ages: tuple[float, ...] = ()  # seconds since creation of each starting pod (empty: all on the way)
-
-
-@dataclass(frozen=True)
-class Recommendation:
-    """An unstabilized desired count, kept for the stabilization windows."""
-
-    time: float
-    replicas: int
-
-
-@dataclass(frozen=True)
-class ScaleEvent:
-    """A change of replicas made by a decision (+n up, -n down), kept for the rate-limit periods."""
-
-    time: float
-    change: int
 
 
 @dataclass(frozen=True)
@@ -138,19 +106,21 @@ class AutoscalerState:
     recommendations: tuple[Recommendation, ...] = ()
     scale_events: tuple[ScaleEvent, ...] = ()
     startup_durations: tuple[float, ...] = ()
+    rates: tuple[tuple[float, float], ...] = ()  # (time, the fleet's request rate) for the trend
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready form."""
         return {"recommendations": [[r.time, r.replicas] for r in self.recommendations],
                 "scaleEvents": [[e.time, e.change] for e in self.scale_events],
-                "startupDurations": list(self.startup_durations)}
+                "startupDurations": list(self.startup_durations), "requestRates": [[t, x] for t, x in self.rates]}
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> AutoscalerState:
         """Inverse of to_dict()."""
         return cls(tuple(Recommendation(float(t), int(n)) for t, n in d.get("recommendations", [])),
                    tuple(ScaleEvent(float(t), int(n)) for t, n in d.get("scaleEvents", [])),
-                   tuple(float(x) for x in d.get("startupDurations", [])))
+                   tuple(float(x) for x in d.get("startupDurations", [])),
+                   tuple((float(t), float(x)) for t, x in d.get("requestRates", [])))
 
 
 @dataclass(frozen=True)
@@ -202,7 +172,11 @@ def decide(policy: AutoscalingPolicy, obs: Observation, state: AutoscalerState) 
     grace = policy.startup_grace_seconds if policy.startup_grace_seconds is not None else (
         2 * expected if expected is not None else None)
     stale = sum(1 for age in obs.starting_ages if grace is not None and age > grace)
-    proposals, votes, held = _proposals(policy, obs, stale)
+    load = fleet_load(policy, obs)
+    rate = obs.request_rate if obs.reporting_replicas == obs.ready_replicas else None  # a silent pod's is unknown
+    rates = (*(x for x in state.rates if x[0] > now - TREND_WINDOW_S), *(((now, rate),) if rate is not None else ()))
+    tr = trend(rates, now)
+    proposals, votes, held = _proposals(policy, obs, stale, tr, load)
     partial = obs.reporting_replicas < obs.ready_replicas
     limited: LimitedBy = "none"
     raw, winner = max(votes, key=lambda v: v[0]) if votes else (current, None)
@@ -230,8 +204,11 @@ def decide(policy: AutoscalingPolicy, obs: Observation, state: AutoscalerState) 
         (*(r for r in recs if r.time > now - horizon), Recommendation(now, raw)),
         (*(e for e in state.scale_events if e.time > now - period),
          *((ScaleEvent(now, desired - current),) if desired != current else ())),
-        durations)
+        durations, rates)
     reason = _reason(policy, obs, winner, raw, desired, limited, expected)
+    if tr is not None and tr.falling and winner is not None and winner.source == "queue" and raw < current:
+        reason += (f" (request rate falling {-tr.slope * 60 / tr.level:.0%}/min: sized for the end of the "
+                   f"{down.stabilization_window_seconds}s scale-down window)") if tr.level > 0 else ""
     if stale:
         reason += f" ({stale} starting for over {grace:.0f}s no longer count as capacity on the way)"
     return Decision(now, current, obs.ready_replicas, obs.starting_replicas, desired, tuple(proposals), limited,
@@ -243,8 +220,19 @@ def _ceil(x: float) -> int:
     return math.ceil(x - 1e-9)
 
 
-def _proposals(policy: AutoscalingPolicy, obs: Observation,
-               stale: int) -> tuple[list[Proposal], list[tuple[int, Proposal]], bool]:
+def fleet_load(policy: AutoscalingPolicy, obs: Observation) -> float | None:
+    """The load in replicas at the queue target (how many replicas would each hold exactly the target), from the
+    newest depth; None without a queue target or on partial metrics (a missing pod's load is unknown)."""
+    target = policy.queue_depth_per_replica
+    if target is None or obs.queue_depth is None or obs.ready_replicas == 0 or (
+            obs.reporting_replicas < obs.ready_replicas):
+        return None
+    per_pod: float = (obs.queue_depth / obs.ready_replicas / target) ** (1 / QUEUE_DEPTH_EXPONENT)
+    return obs.ready_replicas * per_pod
+
+
+def _proposals(policy: AutoscalingPolicy, obs: Observation, stale: int, tr: Trend | None,
+               load: float | None) -> tuple[list[Proposal], list[tuple[int, Proposal]], bool]:
     """Each signal's proposal, the votes cast (not every proposal votes), and whether tolerance held any."""
     current, ready, tol = obs.current_replicas, obs.ready_replicas, policy.tolerance
     effective = current - stale
@@ -275,7 +263,15 @@ def _proposals(policy: AutoscalingPolicy, obs: Observation,
         per_pod = depth / obs.reporting_replicas / target
         # Going down, stop where each replica would hold at most 1 - tolerance (hysteresis): scaling back up
         # then takes a real rise in load (2 × tolerance), not noise.
-        n = _ceil(ready * (per_pod / (1.0 if ratio >= 1 else 1 - tol)) ** (1 / k))
+        hysteresis = 1.0 if ratio >= 1 else 1 - tol
+        n = _ceil(ready * (per_pod / hysteresis) ** (1 / k))
+        if ratio < 1 and tr is not None and tr.falling and load is not None:
+            # A recommendation acts only once it is the highest in the scale-down window, so size it for the
+            # window's end; the newest load (without hysteresis) is the floor should the fall stop.
+            # The rate's relative fall, applied to the load: the load is in replicas, the rate in requests/s.
+            window = policy.behavior.scale_down.stabilization_window_seconds
+            ahead = load * max(tr.at(window), 0.0) / tr.level if tr.level > 0 else 0.0
+            n = min(n, max(_ceil(ahead / hysteresis ** (1 / k)), _ceil(load)))
         p = Proposal("queue", depth, target, n)
         proposals.append(p)
         within = abs(ratio - 1) <= tol
@@ -305,43 +301,6 @@ def _proposals(policy: AutoscalingPolicy, obs: Observation,
             # Step down one ready replica at a time; the scale-down window spaces the steps.
             votes.append((max(n, ready - 1), p))
     return proposals, votes, held
-
-
-def stabilize(current: int, desired: int, recs: tuple[Recommendation, ...], up: ScalingRules,
-               down: ScalingRules, now: float) -> int:
-    """HPA: scale up to the lowest recommendation within the up window, down to the highest within the down one."""
-    up_cut, down_cut = now - up.stabilization_window_seconds, now - down.stabilization_window_seconds
-    up_rec = min([desired] + [r.replicas for r in recs if r.time > up_cut])
-    down_rec = max([desired] + [r.replicas for r in recs if r.time > down_cut])
-    return min(max(current, up_rec), down_rec)
-
-
-def _change_in_period(events: tuple[ScaleEvent, ...], period: int, now: float, sign: int) -> int:
-    """Replicas added (sign +1) or removed (sign -1) by events within the last `period` seconds."""
-    return sum(abs(e.change) for e in events if e.time > now - period and e.change * sign > 0)
-
-
-def rate_limit(current: int, desired: int, events: tuple[ScaleEvent, ...], up: ScalingRules,
-                down: ScalingRules, now: float) -> int:
-    """HPA's rate limits: each policy bounds the count from the replicas at its period's start; select combines."""
-    if desired == current:
-        return desired
-    rules = up if desired > current else down
-    if rules.select_policy == "Disabled" or not rules.policies:
-        return current
-    limits = []
-    for p in rules.policies:
-        start = (current - _change_in_period(events, p.period_seconds, now, +1)
-                 + _change_in_period(events, p.period_seconds, now, -1))
-        if desired > current:
-            limits.append(start + p.value if p.type == "Pods" else math.ceil(start * (1 + p.value / 100)))
-        else:
-            limits.append(start - p.value if p.type == "Pods" else int(start * (1 - p.value / 100)))
-    if desired > current:  # Max: the policy allowing the biggest change; Min: the smallest
-        limit = max(limits) if rules.select_policy == "Max" else min(limits)
-        return min(desired, max(limit, current))
-    limit = min(limits) if rules.select_policy == "Max" else max(limits)
-    return max(desired, min(limit, current))
 
 
 def _describe_rate(rules: ScalingRules, up: bool) -> str:
@@ -395,4 +354,4 @@ def _reason(policy: AutoscalingPolicy, obs: Observation, win: Proposal | None, r
 
 __all__ = ["DEFAULT_SCALE_DOWN", "DEFAULT_SCALE_UP", "AutoscalerState", "AutoscalingPolicy", "Behavior", "Decision",
            "LatencyTarget", "Observation", "Proposal", "Recommendation", "ScaleEvent", "ScalingPolicy",
-           "ScalingRules", "decide", "rate_limit", "stabilize"]
+           "ScalingRules", "decide", "fleet_load", "rate_limit", "stabilize"]

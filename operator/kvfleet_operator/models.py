@@ -250,7 +250,7 @@ class ScaleUpRules(_Model):
     stabilization_window_seconds: int = Field(default=0, ge=0, le=3600)
     """Use the lowest recommendation of this window (0: act at once)."""
     policies: list[ScalingPolicy] = Field(
-        # autoscaler.DEFAULT_SCALE_UP: x5 or +16 per 15 s, tuned in bench/autoscale (HPA's x2 / +4 lagged a step).
+        # behavior.DEFAULT_SCALE_UP: x5 or +16 per 15 s, tuned in bench/autoscale (HPA's x2 / +4 lagged a step).
         default_factory=lambda: [ScalingPolicy(type="Percent", value=400, period_seconds=15),
                                  ScalingPolicy(type="Pods", value=16, period_seconds=15)], max_length=10)
     """Rate limits; selectPolicy picks among them."""

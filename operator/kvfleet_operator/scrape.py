@@ -229,6 +229,19 @@ class MetricsWindow:
         bounds = tuple(sorted(total))
         return Histogram(bounds, tuple(total[b] for b in bounds), count, sum_)
 
+    def request_rate(self, metric: str = "ttft") -> float | None:
+        """Observations per second of `metric` over each pod's last scrape interval, summed across pods: for TTFT,
+        the requests that got their first token (admitted demand, whatever the replica count). None unless every
+        pod in the window has two samples: a pod new to the window would read as a dip."""
+        total = 0.0
+        for hist in self._history.values():
+            samples = [s for s in hist if metric in s.histograms][-2:]
+            if len(samples) < 2 or samples[1].time <= samples[0].time:
+                return None
+            inc = _increase([samples[0].histograms[metric], samples[1].histograms[metric]])
+            total += inc.count / (samples[1].time - samples[0].time)
+        return total if self._history else None
+
     def quantile(self, metric: str, q: float, last: bool = False) -> float | None:
         """histogram_quantile(q, sum by (le) (increase(metric_bucket[window]))); None when nothing was observed.
         With `last`, over the last scrape interval instead of the window."""

@@ -226,3 +226,52 @@ def test_state_round_trips_and_status_is_camel_case() -> None:
                               queue_depth=70), d.state)
     assert [r.time for r in later.state.recommendations] == [NOW + 1000]  # older than every window: dropped
     assert later.state.scale_events == ()
+
+
+
+def falling(per_min: float, ready: int = 8) -> AutoscalerState:
+    """Request-rate samples every 15 s over the last 5 minutes, on a line through 40 requests/s now that moves
+    `per_min` of that per minute (recommendations expired)."""
+    return AutoscalerState(recommendations=(Recommendation(0.0, ready),),
+                           rates=tuple((NOW - 15 * i, 40.0 * (1 - per_min * i / 4)) for i in range(20, 0, -1)))
+
+
+# 8 ready at target 10: a depth of 50.7 is a load of 8 × (50.7 / 80)^(2/3) = 5.90 replicas at target.
+FALL_OBS = dict(current_replicas=8, ready_replicas=8, reporting_replicas=8, queue_depth=50.7, request_rate=40.0)
+
+
+def test_without_a_trend_scale_down_keeps_the_hysteresis() -> None:
+    # 5.90 / 0.9^(2/3) = 6.33 → 7.
+    assert decide(QUEUE, obs(**FALL_OBS), EXPIRED).desired_replicas == 7
+
+
+def test_a_steady_fall_is_sized_for_the_end_of_the_scale_down_window() -> None:
+    # The rate falls 5% of 40/s a minute: in 300 s it is 30/s, 0.75 of now, so the load will be 5.90 × 0.75 =
+    # 4.43, / 0.9^(2/3) = 4.75 → 5; the newest load (5.90 → 6) is the floor. Without the trend the window would
+    # release 7 only five minutes from now.
+    d = decide(QUEUE, obs(**FALL_OBS), falling(-0.05))
+    assert d.desired_replicas == 6
+    assert d.reason.endswith("(request rate falling 5%/min: sized for the end of the 300s scale-down window)")
+
+
+def test_a_steep_fall_never_goes_below_what_the_newest_load_needs() -> None:
+    # The rate would be below zero in 300 s; the newest load, 5.90, still needs 6.
+    assert decide(QUEUE, obs(**FALL_OBS), falling(-0.5)).desired_replicas == 6
+
+
+def test_a_rise_or_a_noisy_flat_rate_is_not_a_fall() -> None:
+    assert decide(QUEUE, obs(**FALL_OBS), falling(0.05)).desired_replicas == 7
+    flat = falling(0.0)
+    noisy = replace(flat, rates=tuple((t, x + (8.0 if i % 2 else -8.0)) for i, (t, x) in enumerate(flat.rates)))
+    assert decide(QUEUE, obs(**FALL_OBS), noisy).desired_replicas == 7
+
+
+def test_the_state_carries_rate_samples_for_the_trend() -> None:
+    d = decide(QUEUE, obs(**FALL_OBS), falling(-0.05))
+    assert d.state.rates[-1] == (NOW, 40.0) and len(d.state.rates) == 21
+    assert AutoscalerState.from_dict(d.state.to_dict()) == d.state
+    later = decide(QUEUE, obs(**FALL_OBS, now=NOW + 590), d.state)  # samples older than 600 s are dropped
+    assert [t for t, _ in later.state.rates] == [t for t, _ in d.state.rates if t > NOW - 10] + [NOW + 590]
+    # A pod that did not report: the fleet's rate is unknown, so no sample (and never down on partial data).
+    partial = decide(QUEUE, obs(**(FALL_OBS | dict(reporting_replicas=7))), d.state)
+    assert partial.state.rates == d.state.rates and partial.desired_replicas == 8

@@ -203,3 +203,18 @@ def test_window_latency_takes_the_lower_of_window_and_last_interval() -> None:
     w.update([snap("a", 45, (10, 10, 10, 20), queue=80), snap("b", 45, (0, 0, 0, 0), queue=4)], now=45)
     assert (w.queue_depth(), w.mean_queue_depth()) == (84, 39)  # b is new: its one sample is its mean
     assert w.queue_signal() == 39  # the lower of the two
+
+
+def test_request_rate_sums_each_pods_last_interval_and_handles_restarts() -> None:
+    w = MetricsWindow(60.0)
+    assert w.request_rate() is None  # nothing scraped
+    w.update([snap("a", 0, (0, 0, 0, 0)), snap("b", 0, (5, 5, 5, 5))], now=0)
+    assert w.request_rate() is None  # one sample each: no interval yet
+    w.update([snap("a", 15, (4, 8, 8, 30)), snap("b", 15, (9, 9, 10, 20))], now=15)
+    assert w.request_rate() == pytest.approx(30 / 15 + 15 / 15)
+    # b restarts (its count drops to 6): the 6 since the restart are its increase. a's last interval is 30 → 60.
+    w.update([snap("a", 30, (4, 10, 10, 60)), snap("b", 30, (1, 2, 2, 6))], now=30)
+    assert w.request_rate() == pytest.approx(30 / 15 + 6 / 15)
+    # A pod new to the window has one sample: it would read as a dip, so there is no rate this round.
+    w.update([snap("a", 45, (4, 10, 10, 75)), snap("b", 45, (1, 2, 2, 9)), snap("c", 45, (0, 0, 0, 3))], now=45)
+    assert w.request_rate() is None
