@@ -176,7 +176,7 @@ def decide(policy: AutoscalingPolicy, obs: Observation, state: AutoscalerState) 
     rate = obs.request_rate if obs.reporting_replicas == obs.ready_replicas else None  # a silent pod's is unknown
     rates = (*(x for x in state.rates if x[0] > now - TREND_WINDOW_S), *(((now, rate),) if rate is not None else ()))
     tr = trend(rates, now)
-    proposals, votes, held = _proposals(policy, obs, stale, tr, load)
+    proposals, votes, held, by_trend = _proposals(policy, obs, stale, tr, load)
     partial = obs.reporting_replicas < obs.ready_replicas
     limited: LimitedBy = "none"
     raw, winner = max(votes, key=lambda v: v[0]) if votes else (current, None)
@@ -206,7 +206,7 @@ def decide(policy: AutoscalingPolicy, obs: Observation, state: AutoscalerState) 
          *((ScaleEvent(now, desired - current),) if desired != current else ())),
         durations, rates)
     reason = _reason(policy, obs, winner, raw, desired, limited, expected)
-    if tr is not None and tr.falling and winner is not None and winner.source == "queue" and raw < current:
+    if tr is not None and by_trend and winner is not None and winner.source == "queue" and raw < current:
         reason += (f" (request rate falling {-tr.slope * 60 / tr.level:.0%}/min: sized for the end of the "
                    f"{down.stabilization_window_seconds}s scale-down window)") if tr.level > 0 else ""
     if stale:
@@ -232,13 +232,14 @@ def fleet_load(policy: AutoscalingPolicy, obs: Observation) -> float | None:
 
 
 def _proposals(policy: AutoscalingPolicy, obs: Observation, stale: int, tr: Trend | None,
-               load: float | None) -> tuple[list[Proposal], list[tuple[int, Proposal]], bool]:
-    """Each signal's proposal, the votes cast (not every proposal votes), and whether tolerance held any."""
+               load: float | None) -> tuple[list[Proposal], list[tuple[int, Proposal]], bool, bool]:
+    """Each signal's proposal, the votes cast (not every proposal votes), whether tolerance held any, and whether
+    the falling-rate trend lowered the queue's proposal."""
     current, ready, tol = obs.current_replicas, obs.ready_replicas, policy.tolerance
     effective = current - stale
     proposals: list[Proposal] = []
     votes: list[tuple[int, Proposal]] = []
-    held = False
+    held = by_trend = False
 
     def up(n: int) -> int:  # cold start: only a vote above what serves or is on its way adds pods
         return n + stale if n > effective else current
@@ -271,7 +272,8 @@ def _proposals(policy: AutoscalingPolicy, obs: Observation, stale: int, tr: Tren
             # The rate's relative fall, applied to the load: the load is in replicas, the rate in requests/s.
             window = policy.behavior.scale_down.stabilization_window_seconds
             ahead = load * max(tr.at(window), 0.0) / tr.level if tr.level > 0 else 0.0
-            n = min(n, max(_ceil(ahead / hysteresis ** (1 / k)), _ceil(load)))
+            sized = max(_ceil(ahead / hysteresis ** (1 / k)), _ceil(load))
+            by_trend, n = sized < n, min(n, sized)
         p = Proposal("queue", depth, target, n)
         proposals.append(p)
         within = abs(ratio - 1) <= tol
@@ -300,7 +302,7 @@ def _proposals(policy: AutoscalingPolicy, obs: Observation, stale: int, tr: Tren
             # Latency alone: it is flat until saturation, so its ratio does not measure spare capacity.
             # Step down one ready replica at a time; the scale-down window spaces the steps.
             votes.append((max(n, ready - 1), p))
-    return proposals, votes, held
+    return proposals, votes, held, by_trend
 
 
 def _describe_rate(rules: ScalingRules, up: bool) -> str:

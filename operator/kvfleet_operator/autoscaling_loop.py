@@ -109,7 +109,7 @@ async def tick(namespace: str, name: str, uid: str, memo: kopf.Memo, *, clock: C
         now=now, current_replicas=int(dep["spec"].get("replicas") or 0), ready_replicas=len(fleet.ready),
         starting_replicas=len(fleet.starting), reporting_replicas=len(result.snapshots),
         unschedulable_replicas=len(fleet.unschedulable), queue_depth=queue, queue_depth_mean=queue_mean,
-        request_rate=mem.window.request_rate() if complete else None,
+        request_rate=mem.window.request_rate(),  # decide() takes no rate sample on partial metrics
         latency={t.source: mem.window.latency(t.metric, t.percentile / 100) for t in pol.latency_targets},
         new_startup_durations=mem.startups.observe(fleet), starting_ages=fleet.starting_ages(now))
     state = mem.state if mem.state is not None else rebuild_state(previous)
