@@ -35,6 +35,8 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
                    help="torch threads per rank (default: all cores, divided among the ranks on CPU)")
     g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                    help="split the model over this many devices (one worker process per extra rank)")
+    g.add_argument("--enforce-eager", action="store_true",
+                   help="never capture CUDA graphs for decode steps (they cost start-up time and some memory)")
 
 
 def _env_defaults(p: argparse.ArgumentParser) -> None:
@@ -58,7 +60,7 @@ def _env_defaults(p: argparse.ArgumentParser) -> None:
 def _engine_options(a: argparse.Namespace) -> dict[str, object]:
     keys = ("dtype", "max_model_len", "max_num_seqs", "max_num_batched_tokens", "block_size",
             "kv_cache_memory_bytes", "gpu_memory_utilization", "enable_prefix_caching", "enable_chunked_prefill",
-            "seed", "num_threads", "tensor_parallel_size")
+            "seed", "num_threads", "tensor_parallel_size", "enforce_eager")
     return {k: getattr(a, k) for k in keys}
 
 

@@ -34,6 +34,7 @@ class EngineConfig:
     seed: int = 0
     num_threads: int | None = None  # torch threads per rank; on CPU default: the cores divided among the ranks
     tensor_parallel_size: int = 1
+    enforce_eager: bool = False  # as vLLM: never capture CUDA graphs (decode steps launch every kernel each time)
 
     def __post_init__(self) -> None:
         def bad(name: str, rule: str) -> ValueError:
@@ -57,6 +58,8 @@ class EngineConfig:
             raise bad("kv_cache_memory_bytes", "give a positive number of bytes, or leave it unset")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise bad("gpu_memory_utilization", "use a fraction in (0, 1]")
+        if not isinstance(self.enforce_eager, bool):
+            raise bad("enforce_eager", "use true or false")
         self._check_whole_prompts_fit()
 
     def resolve(self, device_type: str, max_model_len: int) -> None:

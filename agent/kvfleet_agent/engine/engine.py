@@ -76,6 +76,8 @@ class LLMEngine:
         try:
             num_blocks = self._size_kv_pool()
             self.executor.warmup()
+            # After the pool exists (the graphs read it) and the warm-up compiled the kernels.
+            self.runner.capture_decode_graphs()
         except BaseException:
             self.executor.shutdown()
             raise

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -11,6 +12,7 @@ import numpy as np
 import torch
 
 from kvfleet_agent.config import EngineConfig
+from kvfleet_agent.engine.cuda_graphs import DecodeGraphRunner, to_device
 from kvfleet_agent.engine.sampler import Sampler
 from kvfleet_agent.engine.scheduler import ScheduledChunk, SchedulerOutput
 from kvfleet_agent.layers.attention import AttentionMetadata, DecodeGroup, PagedAttention, PrefillSpan
@@ -20,7 +22,7 @@ from kvfleet_agent.models.loader import load_weights
 from kvfleet_agent.outputs import Logprob
 from kvfleet_agent.parallel.group import TPGroup
 from kvfleet_agent.sampling_params import SamplingParams
-from kvfleet_kernels import reference
+from kvfleet_kernels import dispatch, reference
 
 log = logging.getLogger(__name__)
 
@@ -90,6 +92,37 @@ def warmup_steps(block_size: int) -> list[SchedulerOutput]:
     return [SchedulerOutput([prefill], n), SchedulerOutput([decode], 1, finished=["warmup", "warmup-decode"])]
 
 
+def profile_batch(num_tokens: int, max_num_seqs: int, max_model_len: int) -> StepBatch:
+    """The largest step the scheduler can send, as dummy prompts: num_tokens tokens over up to
+    max_num_seqs sequences (none longer than max_model_len), each sampling once. Every slot is -1, so
+    running it writes nothing into the KV pool; from position 0, its attention reads no cache either."""
+    seqs = min(max_num_seqs, num_tokens)
+    lens = np.full(seqs, num_tokens // seqs, dtype=np.int64)
+    lens[:num_tokens % seqs] += 1
+    lens = np.minimum(lens, max_model_len)
+    starts = np.concatenate(([0], np.cumsum(lens)[:-1]))
+    total = int(lens.sum())
+    spans = [(int(s), int(n), 0, np.zeros(1, dtype=np.int64)) for s, n in zip(starts, lens, strict=True)]
+    return StepBatch(np.zeros(total, dtype=np.int64), np.concatenate([np.arange(n) for n in lens]),
+                     np.full(total, -1, dtype=np.int64), np.zeros((0, 1), dtype=np.int64), spans,
+                     (starts + lens - 1).astype(np.int64))
+
+
+def kv_budget_from_profile(total: int, free: int, torch_allocated: int, torch_peak: int, utilization: float,
+                           reserve: int = 0) -> int:
+    """KV pool bytes on a GPU, from memory readings taken after a profiling forward pass.
+
+    total, free: the device's memory (torch.cuda.mem_get_info) after the pass, torch's cache emptied;
+    torch_allocated: what torch holds now (the weights); torch_peak: the most it held during the pass
+    (the weights plus the largest step's activations); reserve: bytes kept back for later (CUDA graphs).
+    The process needs, besides the pool, (total − free) − torch_allocated + torch_peak: memory outside
+    torch's allocator (the CUDA context, NCCL; other processes too) plus weights and activations. The
+    pool gets what is left of total × utilization after that and the reserve (never below zero).
+    """
+    in_use = (total - free) - torch_allocated + torch_peak
+    return max(0, int(total * utilization) - in_use - reserve)
+
+
 def resolve_dtype(config: EngineConfig, model_cfg: ModelConfig, device: torch.device) -> torch.dtype:
     """The compute dtype: as asked, else the checkpoint's on GPU and float32 on CPU (half is slow there)."""
     name = config.dtype
@@ -141,6 +174,8 @@ class ModelRunner:
         self.attn_layers = [m for m in self.model.modules() if isinstance(m, PagedAttention)]
         self.sampler = Sampler(config.seed, self.device)
         self.num_blocks = 0
+        self.decode_graphs = DecodeGraphRunner(self.model, model_cfg.hidden_size, self.dtype, self.device,
+                                               config.max_num_seqs, max_model_len, self.block_size)
 
     def param_bytes(self) -> int:
         """Bytes of this rank's parameters (a tied embedding and LM head count once)."""
@@ -157,12 +192,16 @@ class ModelRunner:
         return 2 * len(self.attn_layers) * self.block_size * a.num_kv_heads * a.head_dim * elem
 
     def kv_budget_bytes(self) -> int:
-        """Bytes for the KV pool: the configured budget on CPU; a share of free memory on GPU."""
+        """Bytes for the KV pool: the configured budget; on GPU what a profiling pass leaves; a RAM share on CPU."""
         if self.config.kv_cache_memory_bytes is not None:
             return self.config.kv_cache_memory_bytes
         if self.device.type == "cuda":
+            if self.tp.size == 1:
+                return self._profiled_kv_budget()
+            # The profiling pass runs collectives, but the executor asks rank 0 for its budget before it
+            # asks the workers: they would never meet. Until it asks every rank at once, estimate a
+            # full step's activations beside the weights already resident.
             free, total = torch.cuda.mem_get_info(self.device)
-            # Leave room for a full step's activations beside the weights already resident.
             activations = (self.config.max_num_batched_tokens or 8192) * self.model_cfg.intermediate_size * 4 * 8
             return max(0, int(free - total * (1 - self.config.gpu_memory_utilization)) - activations)
         total_ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
@@ -171,8 +210,58 @@ class ModelRunner:
         blocks_usable = self.config.max_num_seqs * -(-self.max_model_len // self.block_size) + 1
         return min(DEFAULT_CPU_KV_BYTES, total_ram // 4 // self.tp.size, blocks_usable * self.bytes_per_block())
 
+    def _profiled_kv_budget(self) -> int:
+        """kv_budget_from_profile around profile_run; the weights are resident, the pool not yet allocated."""
+        dev = self.device
+        torch.cuda.synchronize(dev)
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(dev)
+        before = torch.cuda.memory_allocated(dev)
+        tokens = self.profile_run()
+        torch.cuda.synchronize(dev)
+        peak = torch.cuda.max_memory_allocated(dev)
+        # Emptied, so that free memory counts the pass's cached blocks as free (the peak counts them).
+        torch.cuda.empty_cache()
+        free, total = torch.cuda.mem_get_info(dev)
+        allocated = torch.cuda.memory_allocated(dev)
+        # Graphs are captured after the pool is allocated and keep their own memory pool: reserve the
+        # largest one's activations, estimated as the profiled ones scaled to its batch size.
+        reserve = (peak - before) * self.decode_graphs.max_batch // tokens if self.wants_graphs() else 0
+        budget = kv_budget_from_profile(total, free, allocated, peak, self.config.gpu_memory_utilization, reserve)
+        log.info("memory profile on %s: %.2f GiB total, %.2f GiB weights, %.2f GiB activation peak for %d tokens, "
+                 "%.2f GiB outside torch, %.2f GiB kept for CUDA graphs; KV pool %.2f GiB", dev, total / 2**30,
+                 allocated / 2**30, (peak - before) / 2**30, tokens, (total - free - allocated) / 2**30,
+                 reserve / 2**30, budget / 2**30)
+        return budget
+
+    @torch.inference_mode()
+    def profile_run(self) -> int:
+        """Run the largest step the scheduler can send (profile_batch) and sample from it; returns its tokens.
+
+        For the memory peak: its activations, logits and the sampler's temporaries (every row through
+        top-k and top-p, the costliest path). It writes nothing into the pool, so it may run before one
+        exists: one-block stand-ins then give the kernels a cache's shape.
+        """
+        if self.num_blocks == 0:
+            for layer in self.attn_layers:
+                shape = (1, self.block_size, layer.num_kv_heads, layer.head_dim)
+                layer.k_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+                layer.v_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        assert self.config.max_num_batched_tokens is not None  # set by EngineConfig.resolve
+        batch = profile_batch(self.config.max_num_batched_tokens, self.config.max_num_seqs, self.max_model_len)
+        hidden, rows = self._eager_hidden(batch, has_padding=True)
+        logits = self.model.compute_logits(hidden.index_select(0, rows))
+        del hidden
+        # Seeded per row: the engine's default generator must not advance (it would change unseeded outputs).
+        ids = [f"profile-{i}" for i in range(len(batch.sample_rows))]
+        params = [SamplingParams(temperature=1.0, top_k=50, top_p=0.9, seed=0, max_tokens=1)] * len(ids)
+        self.sampler.sample(logits, ids, params)
+        self.sampler.forget(ids)
+        return len(batch.input_ids)
+
     def allocate_kv_cache(self, num_blocks: int) -> None:
         """Create each layer's [num_blocks, block_size, kv_heads, head_dim] K and V tensors and bind them."""
+        self.decode_graphs.release()  # captured graphs would go on reading the old tensors
         self.num_blocks = num_blocks
         for layer in self.attn_layers:
             shape = (num_blocks, self.block_size, layer.num_kv_heads, layer.head_dim)
@@ -183,6 +272,29 @@ class ModelRunner:
         """Run the warm-up steps on this rank alone (a group of one)."""
         for step in warmup_steps(self.block_size):
             self.execute(step)
+
+    def wants_graphs(self) -> bool:
+        """Whether decode steps should replay CUDA graphs: on a GPU, unless enforce_eager, with one rank.
+
+        Tensor parallelism stays eager: a graph holding NCCL collectives must be captured and replayed
+        in lockstep on every rank, which needs the workers to capture too (not wired up yet).
+        """
+        return self.device.type == "cuda" and not self.config.enforce_eager and self.tp.size == 1
+
+    def capture_decode_graphs(self) -> None:
+        """Capture the decode graphs, if wanted: after the pool is allocated (they read it) and warmed up."""
+        if not self.wants_graphs():
+            return
+        probe = self.attn_layers[0].k_cache
+        if dispatch.backend(probe) != "triton":  # the reference syncs the host in places: not capturable
+            log.warning("CUDA graphs need the Triton kernels (%s=0 or dtype %s): decoding eagerly",
+                        dispatch.FORCE_ENV, probe.dtype)
+            return
+        start = time.perf_counter()
+        free_before = torch.cuda.mem_get_info(self.device)[0]
+        self.decode_graphs.capture()
+        log.info("captured CUDA graphs for decode batch sizes %s in %.1f s (%.0f MiB)", self.decode_graphs.sizes,
+                 time.perf_counter() - start, (free_before - torch.cuda.mem_get_info(self.device)[0]) / 2**20)
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput, publish: Callable[[StepBatch], None] | None = None
@@ -209,26 +321,43 @@ class ModelRunner:
     @torch.inference_mode()
     def forward(self, batch: StepBatch) -> torch.Tensor | None:
         """The model over the batch; logits of the sample rows over the whole vocabulary (None if none)."""
-        dev = self.device
-        nd = batch.decode_tables.shape[0]
-        meta = AttentionMetadata(
-            slot_mapping=torch.from_numpy(batch.slot_mapping).to(dev),
-            decode_groups=self._decode_groups(batch.decode_tables, batch.positions[:nd]),
-            prefills=[PrefillSpan(s, n, ctx, torch.from_numpy(t).to(dev)) for s, n, ctx, t in batch.prefills],
-        )
-        hidden = self.model(torch.from_numpy(batch.input_ids).to(dev), torch.from_numpy(batch.positions).to(dev),
-                            meta)
+        graphs = self.decode_graphs
+        size = graphs.accepts(batch) if graphs.active else None
+        if size is not None:
+            hidden = graphs.run(batch, size)
+            # Usually every decode row samples, in order: then the hidden states need no gather.
+            rows = None if len(batch.sample_rows) == len(batch.input_ids) else \
+                to_device([batch.sample_rows], self.device)[0]
+        else:
+            hidden, rows = self._eager_hidden(batch)
         if not len(batch.sample_rows):
             return None
-        return self.model.compute_logits(hidden[torch.from_numpy(batch.sample_rows).to(dev)])
+        return self.model.compute_logits(hidden if rows is None else hidden.index_select(0, rows))
 
-    def _decode_groups(self, tables: np.ndarray, positions: np.ndarray) -> list[DecodeGroup]:
-        """Split the (length-sorted) decode rows into groups and plan each group's gather once."""
+    def _eager_hidden(self, batch: StepBatch, has_padding: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """The model run eagerly over any batch: (hidden states [T, hidden], the sample rows on the device)."""
+        nd = batch.decode_tables.shape[0]
+        arrays = [batch.input_ids, batch.positions, batch.slot_mapping, batch.sample_rows, batch.decode_tables,
+                  batch.positions[:nd] + 1, *(table for *_, table in batch.prefills)]
+        ids, positions, slots, rows, tables, seq_lens, *prefill_tables = to_device(arrays, self.device)
+        meta = AttentionMetadata(
+            slot_mapping=slots,
+            decode_groups=self._decode_groups(tables, seq_lens, batch.positions[:nd]),
+            prefills=[PrefillSpan(s, n, ctx, t) for (s, n, ctx, _), t in zip(batch.prefills, prefill_tables,
+                                                                             strict=True)],
+            has_padding=has_padding,
+        )
+        return self.model(ids, positions, meta), rows
+
+    def _decode_groups(self, tables: torch.Tensor, seq_lens: torch.Tensor, positions: np.ndarray) -> list[DecodeGroup]:
+        """Split the (length-sorted) decode rows into groups and plan each group's gather once.
+
+        Each group's longest context comes from the host copy of the positions: no device read.
+        """
         groups = []
         for start in range(0, len(positions), DECODE_GROUP):
             end = min(start + DECODE_GROUP, len(positions))
-            seq_lens = torch.from_numpy(positions[start:end] + 1)
-            flat, valid = reference.decode_plan(torch.from_numpy(tables[start:end]), seq_lens, self.block_size,
+            flat, valid = reference.decode_plan(tables[start:end], seq_lens[start:end], self.block_size,
                                                 int(positions[end - 1]) + 1)
-            groups.append(DecodeGroup(start, end, flat.to(self.device), valid.to(self.device)))
+            groups.append(DecodeGroup(start, end, flat, valid))
         return groups

@@ -32,13 +32,23 @@ class DecodeGroup:
 
 @dataclass(slots=True)
 class AttentionMetadata:
-    """Where every token of a step sits in the KV cache. Decodes come first in the batch."""
+    """Where every token of a step sits in the KV cache. Decodes come first in the batch.
 
-    slot_mapping: torch.Tensor  # [T]
-    # Decodes attend in groups of similar length (sorted by the runner): each group pads only to
-    # its own longest context, and its gathered K/V stays small enough to live in cache.
+    Decode rows take one of two forms. On CPU they attend in `decode_groups`: groups of similar
+    length (sorted by the runner), each padded only to its own longest context, so the gathered
+    K/V stays small enough to live in cache. A CUDA graph needs fixed shapes instead: then
+    `decode_tables` [B, W] and `decode_seq_lens` [B] cover the first B rows, W fixed by
+    max_model_len, and the kernel reads each row's length on the device (no host sync).
+    """
+
+    slot_mapping: torch.Tensor  # [T]; -1 (only with has_padding) writes nothing
     decode_groups: list[DecodeGroup]
     prefills: list[PrefillSpan]
+    decode_tables: torch.Tensor | None = None
+    decode_seq_lens: torch.Tensor | None = None
+    # Some slots are -1: the padding rows of a fixed-size batch, or a profiling pass that must not
+    # touch the pool. A flag rather than a check of the values, which would sync the host on a GPU.
+    has_padding: bool = False
 
 
 class PagedAttention(nn.Module):
@@ -51,10 +61,29 @@ class PagedAttention(nn.Module):
         self.k_cache = torch.empty(0)
         self.v_cache = torch.empty(0)
 
+    def _write_kv(self, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> None:
+        slots = meta.slot_mapping
+        if meta.has_padding and reference.backend(k) == "reference":
+            # The Triton kernel skips negative slots; the reference's index_copy_ rejects them, so drop
+            # them here. Eager only (a data-dependent shape): captured graphs always run Triton.
+            keep = (slots >= 0).nonzero().squeeze(1)
+            k, v, slots = k.index_select(0, keep), v.index_select(0, keep), slots.index_select(0, keep)
+        reference.write_kv(self.k_cache, self.v_cache, k, v, slots)
+
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """q [T, H, D], k/v [T, KVH, D] → [T, H, D]."""
-        reference.write_kv(self.k_cache, self.v_cache, k, v, meta.slot_mapping)
-        out = torch.empty_like(q)
+        self._write_kv(k, v, meta)
+        if meta.decode_tables is not None and meta.decode_seq_lens is not None:
+            # No max_seq_len: the table width bounds the context, so launch shapes are fixed per batch size.
+            n = meta.decode_tables.shape[0]
+            decoded = reference.paged_decode_attention(q[:n], self.k_cache, self.v_cache, meta.decode_tables,
+                                                       meta.decode_seq_lens, self.scale)
+            if n == q.shape[0] and not meta.prefills:  # a pure decode batch (every CUDA graph): no copy
+                return decoded
+            out = torch.empty_like(q)
+            out[:n] = decoded
+        else:
+            out = torch.empty_like(q)
         for g in meta.decode_groups:
             out[g.start:g.end] = reference.planned_decode_attention(
                 q[g.start:g.end], self.k_cache, self.v_cache, g.flat_block_index, g.valid, self.scale)
