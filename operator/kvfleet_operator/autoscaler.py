@@ -5,11 +5,16 @@
 #   1 ± tolerance (as in the HPA); the largest vote wins.
 #   queue: depth ∝ load^1.5, so n = ceil(ready × per_pod_ratio^(1/1.5)); going down, to where each replica
 #   would hold at most 1 - tolerance of the target (hysteresis); the newest depth and the window's mean must
-#   agree to move (up on the lower of the two, down on the higher). While the request rate falls significantly
-#   (a 10-minute least-squares trend), a scale-down asks for what the load will need when the scale-down
-#   window releases it, never below what the newest load needs: the window then answers the fall on time
-#   instead of a window late, and a pause in the fall costs nothing (the newest load holds the floor). The
-#   rate, not the depth, carries the trend: depth per replica changes when replicas do, demand does not.
+#   agree to move (up on the lower of the two, down on the higher). The request rate's 10-minute least-squares
+#   trend (trend.py) projects the load: the newest load rescaled from the newest rate to the line. The rate,
+#   not the depth, carries the trend: depth per replica changes when replicas do, demand does not.
+#   - While the rate falls significantly, a scale-down asks for the load projected to when the scale-down
+#     window releases it (no hysteresis: the trend moves it, not noise), never below the load now: the window
+#     then answers the fall on time instead of a window late, and a pause in the fall costs nothing. The load
+#     now is the newest one, or, where the line fits the samples and the newest rate sits above it, the load
+#     on the line: that excess is noise.
+#   - While it rises significantly, the queue also votes for the load projected to the next round: the trend
+#     is the agreement the window's mean would otherwise give, so a ramp is followed a window sooner.
 #   latency: n = ceil(ready × observed / target), ready as the base. Over target it never asks for fewer
 #   than current, and while replicas are on their way it adds only if the queue agrees (the latency of the
 #   ready ones keeps growing while others load: the same demand). Under target it does not vote when a queue
@@ -18,6 +23,9 @@
 #   nothing); those starting for longer than the grace do not, and a vote above is raised to replace them.
 # - HPA behavior: stabilization windows (up: lowest recommendation in its window, down: highest), then the
 #   rate-limit policies over their periods, combined by selectPolicy.
+# - No reversal on noise: within the scale-down window after a scale-down, scaling back up takes a latency
+#   target over its tolerance, or the queue over twice its tolerance (a ripple that the scale-down window
+#   held, then released, must not bring the replica straight back).
 # - Guards: never down on partial metrics; never up while pods are unschedulable; no proposals: no change.
 # - Last, clamp to [min, max]: the user's explicit bound wins over every rule above.
 
@@ -40,12 +48,13 @@ from kvfleet_operator.behavior import (
     rate_limit,
     stabilize,
 )
-from kvfleet_operator.trend import TREND_WINDOW_S, Trend, trend
+from kvfleet_operator.trend import TREND_WINDOW_S, Projection, trend
 
 Mode = Literal["builtin", "external", "off"]
 LatencyMetric = Literal["ttft", "itl", "e2e"]
 LimitedBy = Literal["none", "tolerance", "scaleUpStabilization", "scaleUpRate", "scaleDownStabilization",
-                    "scaleDownRate", "minReplicas", "maxReplicas", "partialMetrics", "capacityBlocked", "noMetrics"]
+                    "scaleDownRate", "recentScaleDown", "minReplicas", "maxReplicas", "partialMetrics",
+                    "capacityBlocked", "noMetrics"]
 STARTUP_HISTORY = 10  # startup durations kept; the median of these is the expected time to ready
 # Queue depth per replica ∝ (load per replica)^k. For a replica whose step time grows linearly with its batch,
 # depth = r·A / (1 - r·B): the local exponent is 1 + rB / (1 - rB), 1.5 at a third of the decode-bound
@@ -175,22 +184,28 @@ def decide(policy: AutoscalingPolicy, obs: Observation, state: AutoscalerState) 
     load = fleet_load(policy, obs)
     rate = obs.request_rate if obs.reporting_replicas == obs.ready_replicas else None  # a silent pod's is unknown
     rates = (*(x for x in state.rates if x[0] > now - TREND_WINDOW_S), *(((now, rate),) if rate is not None else ()))
+    up, down = policy.behavior.scale_up, policy.behavior.scale_down
     tr = trend(rates, now)
-    proposals, votes, held, by_trend = _proposals(policy, obs, stale, tr, load)
+    projection = None
+    if tr is not None and load is not None and rates[-1][1] > 0 and rates[-1][0] == now:
+        projection = Projection(tr, load, rates[-1][1], now - rates[-2][0], down.stabilization_window_seconds)
+    v = _proposals(policy, obs, stale, projection)
     partial = obs.reporting_replicas < obs.ready_replicas
     limited: LimitedBy = "none"
-    raw, winner = max(votes, key=lambda v: v[0]) if votes else (current, None)
+    raw, winner = max(v.votes, key=lambda x: x[0]) if v.votes else (current, None)
     if winner is None:
         limited = "noMetrics"
-    elif raw == current and held:
+    elif raw == current and v.held:
         limited = "tolerance"
-    up, down = policy.behavior.scale_up, policy.behavior.scale_down
     stabilized = stabilize(current, raw, recs, up, down, now)
     if stabilized != raw:
         limited = "scaleUpStabilization" if raw > current else "scaleDownStabilization"
     desired = rate_limit(current, stabilized, state.scale_events, up, down, now)
     if desired != stabilized:
         limited = "scaleUpRate" if stabilized > current else "scaleDownRate"
+    last_down = max((e.time for e in state.scale_events if e.change < 0), default=-math.inf)
+    if desired > current and now - last_down < down.stabilization_window_seconds and not v.strong_up:
+        desired, limited = current, "recentScaleDown"
     if partial and desired < current:
         desired, limited = current, "partialMetrics"
     if obs.unschedulable_replicas > 0 and desired > current:
@@ -199,19 +214,20 @@ def decide(policy: AutoscalingPolicy, obs: Observation, state: AutoscalerState) 
         limited = "minReplicas" if desired < policy.min_replicas else "maxReplicas"
         desired = min(max(desired, policy.min_replicas), policy.max_replicas)
     horizon = max(up.stabilization_window_seconds, down.stabilization_window_seconds)
+    # Scale events are kept for the rate-limit periods and, for the reversal rule, the scale-down window.
     period = max((p.period_seconds for p in up.policies + down.policies), default=0)
+    period = max(period, down.stabilization_window_seconds)
     new_state = AutoscalerState(
         (*(r for r in recs if r.time > now - horizon), Recommendation(now, raw)),
         (*(e for e in state.scale_events if e.time > now - period),
          *((ScaleEvent(now, desired - current),) if desired != current else ())),
         durations, rates)
-    reason = _reason(policy, obs, winner, raw, desired, limited, expected)
-    if tr is not None and by_trend and winner is not None and winner.source == "queue" and raw < current:
-        reason += (f" (request rate falling {-tr.slope * 60 / tr.level:.0%}/min: sized for the end of the "
-                   f"{down.stabilization_window_seconds}s scale-down window)") if tr.level > 0 else ""
+    reason = _reason(policy, obs, winner, raw, desired, limited, expected, now - last_down)
+    if v.trend_note and winner is not None and winner.source == "queue":
+        reason += f" ({v.trend_note})"
     if stale:
         reason += f" ({stale} starting for over {grace:.0f}s no longer count as capacity on the way)"
-    return Decision(now, current, obs.ready_replicas, obs.starting_replicas, desired, tuple(proposals), limited,
+    return Decision(now, current, obs.ready_replicas, obs.starting_replicas, desired, tuple(v.proposals), limited,
                     reason, expected, new_state)
 
 
@@ -231,21 +247,29 @@ def fleet_load(policy: AutoscalingPolicy, obs: Observation) -> float | None:
     return obs.ready_replicas * per_pod
 
 
-def _proposals(policy: AutoscalingPolicy, obs: Observation, stale: int, tr: Trend | None,
-               load: float | None) -> tuple[list[Proposal], list[tuple[int, Proposal]], bool, bool]:
-    """Each signal's proposal, the votes cast (not every proposal votes), whether tolerance held any, and whether
-    the falling-rate trend lowered the queue's proposal."""
+@dataclass
+class _Votes:
+    """What _proposals() found: every proposal, the votes cast (not every proposal votes), whether tolerance held
+    any, whether a scale-up is strong enough to reverse a recent scale-down, and what the trend changed."""
+
+    proposals: list[Proposal] = field(default_factory=list)
+    votes: list[tuple[int, Proposal]] = field(default_factory=list)
+    held: bool = False
+    strong_up: bool = False
+    trend_note: str = ""
+
+
+def _proposals(policy: AutoscalingPolicy, obs: Observation, stale: int, proj: Projection | None) -> _Votes:
+    """Each signal's proposal and vote (rules at the top of this module)."""
     current, ready, tol = obs.current_replicas, obs.ready_replicas, policy.tolerance
     effective = current - stale
-    proposals: list[Proposal] = []
-    votes: list[tuple[int, Proposal]] = []
-    held = by_trend = False
+    v = _Votes()
 
     def up(n: int) -> int:  # cold start: only a vote above what serves or is on its way adds pods
         return n + stale if n > effective else current
 
     target = policy.queue_depth_per_replica
-    queue_ratio: float | None = None
+    queue_agrees: bool | None = None  # whether the queue asks for more than what serves or is on its way
     depths = [q for q in (obs.queue_depth, obs.queue_depth_mean) if q is not None]
     if target is not None and depths and obs.reporting_replicas > 0:
         # Depth = rate × time in system (Little), and a batched step slows as the batch grows, so depth per
@@ -266,20 +290,29 @@ def _proposals(policy: AutoscalingPolicy, obs: Observation, stale: int, tr: Tren
         # then takes a real rise in load (2 × tolerance), not noise.
         hysteresis = 1.0 if ratio >= 1 else 1 - tol
         n = _ceil(ready * (per_pod / hysteresis) ** (1 / k))
-        if ratio < 1 and tr is not None and tr.falling and load is not None:
-            # A recommendation acts only once it is the highest in the scale-down window, so size it for the
-            # window's end; the newest load (without hysteresis) is the floor should the fall stop.
-            # The rate's relative fall, applied to the load: the load is in replicas, the rate in requests/s.
-            window = policy.behavior.scale_down.stabilization_window_seconds
-            ahead = load * max(tr.at(window), 0.0) / tr.level if tr.level > 0 else 0.0
-            sized = max(_ceil(ahead / hysteresis ** (1 / k)), _ceil(load))
-            by_trend, n = sized < n, min(n, sized)
-        p = Proposal("queue", depth, target, n)
-        proposals.append(p)
         within = abs(ratio - 1) <= tol
-        held |= within and n != current
-        queue_ratio = ratio
-        votes.append((current if within else up(n) if n > effective else n, p))
+        if ratio < 1 and proj is not None and proj.trend.falling:
+            # A recommendation acts only once it is the highest in the scale-down window: size it for the
+            # window's end; the load now is the floor should the fall stop. No hysteresis: the trend moves this
+            # proposal, not noise (and a reversal soon after a scale-down needs strong evidence, see decide()).
+            sized = _ceil(max(proj.at(proj.window), proj.now()))
+            if sized < n and sized < current:
+                v.trend_note = (f"request rate falling {proj.per_min()}/min: sized for the end of the "
+                                f"{proj.window}s scale-down window")
+            n = min(n, sized)
+        elif proj is not None and proj.trend.rising:
+            # Past the tolerance (in load: depth ∝ load^k) of what serves or is on its way by the next round:
+            # the trend confirms the rise, so the tolerance does not hold it, nor the lower depth alone size it.
+            ahead = proj.at(proj.interval)
+            if ahead > effective * (1 + tol) ** (1 / k):
+                n, within = max(n, _ceil(ahead)), False
+                v.trend_note = f"request rate rising {proj.per_min()}/min: sized for the next round's load"
+        p = Proposal("queue", depth, target, n)
+        v.proposals.append(p)
+        v.held |= within and n != current
+        queue_agrees = ratio > 1 + tol or (bool(v.trend_note) and n > current)
+        v.strong_up |= ratio > (1 + tol) ** 2
+        v.votes.append((current if within else up(n) if n > effective else n, p))
     for t in policy.latency_targets:
         seen = obs.latency.get(t.source)
         if seen is None or ready == 0:
@@ -287,22 +320,23 @@ def _proposals(policy: AutoscalingPolicy, obs: Observation, stale: int, tr: Tren
         ratio = seen / t.seconds
         n = _ceil(ready * ratio)  # ready is the base: only they produced the latency
         p = Proposal(t.source, seen, t.seconds, n)
-        proposals.append(p)
+        v.proposals.append(p)
         if abs(ratio - 1) <= tol:
-            held |= n != current
-            votes.append((current, p))
+            v.held |= n != current
+            v.votes.append((current, p))
         elif ratio > 1:
             # Over target never asks for fewer than current. It measures only the ready replicas and grows while
             # others load, so with replicas on their way it adds only if the queue (which counts them) agrees.
-            short = effective <= ready or queue_ratio is None or queue_ratio > 1 + tol
-            votes.append((up(n) if short else current, p))
+            short = effective <= ready or queue_agrees is None or queue_agrees
+            v.votes.append((up(n) if short else current, p))
+            v.strong_up = True
         elif target is not None:
             pass  # under target, latency does not vote: it is flat until saturation, so the queue decides
         else:
             # Latency alone: it is flat until saturation, so its ratio does not measure spare capacity.
             # Step down one ready replica at a time; the scale-down window spaces the steps.
-            votes.append((max(n, ready - 1), p))
-    return proposals, votes, held, by_trend
+            v.votes.append((max(n, ready - 1), p))
+    return v
 
 
 def _describe_rate(rules: ScalingRules, up: bool) -> str:
@@ -316,7 +350,7 @@ def _describe_rate(rules: ScalingRules, up: bool) -> str:
 
 
 def _reason(policy: AutoscalingPolicy, obs: Observation, win: Proposal | None, raw: int, desired: int,
-            limited: LimitedBy, expected: float | None) -> str:
+            limited: LimitedBy, expected: float | None, since_down: float) -> str:
     """One human sentence: the winning signal, the proposal, and what limited it."""
     starting = f" + {obs.starting_replicas} starting" if obs.starting_replicas else ""
     fleet = f"with {obs.ready_replicas} ready{starting}"
@@ -343,6 +377,9 @@ def _reason(policy: AutoscalingPolicy, obs: Observation, win: Proposal | None, r
                                   "stabilization window",
         "scaleUpRate": f"limited to {k} by scale-up rate ({_describe_rate(b.scale_up, True)})",
         "scaleDownRate": f"limited to {k} by scale-down rate ({_describe_rate(b.scale_down, False)})",
+        "recentScaleDown": f"keeping {k}: scaled down {since_down:.0f}s ago, and within the "
+                           f"{b.scale_down.stabilization_window_seconds}s scale-down window scaling back up takes "
+                           f"a latency target over tolerance or the queue over twice the tolerance",
         "partialMetrics": f"keeping {k}: only {obs.reporting_replicas} of {obs.ready_replicas} ready pods reported "
                           "metrics, never scaling down on partial data",
         "capacityBlocked": f"keeping {k}: {obs.unschedulable_replicas} pods unschedulable, no scale-up until they "

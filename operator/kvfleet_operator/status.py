@@ -75,7 +75,8 @@ class ScalingDecision(_Status):
     """One proposal per target; the largest wins before limits."""
     limited_by: str = Field(default="none", max_length=64)
     """What held the decision back: tolerance, scaleUpStabilization, scaleUpRate, scaleDownStabilization,
-    scaleDownRate, minReplicas, maxReplicas, partialMetrics, capacityBlocked or none."""
+    scaleDownRate, recentScaleDown, minReplicas, maxReplicas, partialMetrics, capacityBlocked, noMetrics or
+    none."""
     reason: str = Field(default="", max_length=1024)
     """The decision in a sentence."""
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvfleet_operator.trend import MIN_SAMPLES, TREND_WINDOW_S, trend
+from kvfleet_operator.trend import MAX_SPREAD, MIN_SAMPLES, TREND_WINDOW_S, trend
 
 NOW = 5000.0
 
@@ -57,3 +57,22 @@ def test_samples_older_than_the_window_are_ignored() -> None:
 
 def test_samples_all_at_one_time_have_no_slope() -> None:
     assert trend([(NOW, float(i)) for i in range(10)], NOW) is None
+
+
+def test_the_spread_says_whether_the_line_describes_the_samples() -> None:
+    # ±0.3 alternating around a clean fall at level 6 (5%): the line fits; a step from 8 to 4 does not.
+    wobbly = [(t, y + (0.3 if i % 2 else -0.3)) for i, (t, y) in enumerate(line(-0.005, 6.0))]
+    tr = trend(wobbly, NOW)
+    assert tr is not None and tr.falling and tr.fits
+    assert tr.spread == pytest.approx(0.3, rel=0.1)
+    step = [(NOW - 15 * i, 4.0 if i < 10 else 8.0) for i in range(20)]
+    st = trend(step, NOW)
+    assert st is not None and st.falling and not st.fits  # significant, but a line through two plateaus
+    assert st.spread > MAX_SPREAD * st.level
+
+
+def test_rising_is_a_significant_rise() -> None:
+    tr = trend(line(0.01, 3.0), NOW)
+    assert tr is not None and tr.rising and not tr.falling
+    flat = trend([(t, y + (1.0 if i % 2 else -1.0)) for i, (t, y) in enumerate(line(0.0, 5.0))], NOW)
+    assert flat is not None and not flat.rising
