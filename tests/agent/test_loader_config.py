@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 from loader_helpers import DELETE, copy_of, edit_config, read_config
 
 from kvfleet_agent import LLM, EngineConfig
+from kvfleet_agent.engine.model_runner import resolve_dtype
 from kvfleet_agent.models.config import SUPPORTED_ARCHITECTURES, ModelConfig
 from kvfleet_agent.models.tiny import ARCHS
 
@@ -169,3 +172,18 @@ def test_llm_validates_options_before_loading(tmp_path: Path) -> None:
     # No checkpoint at all: the option error comes first.
     with pytest.raises(ValueError, match="block_size=3"):
         LLM(str(tmp_path), block_size=3)
+
+
+@pytest.mark.parametrize(("asked", "checkpoint", "device", "expected"), [
+    ("auto", "float32", "cpu", torch.float32),  # half precision is slow on CPU
+    ("auto", "bfloat16", "cpu", torch.float32),
+    ("auto", "float16", "cuda", torch.float16),  # the checkpoint's, on a GPU
+    ("auto", "bfloat16", "cuda", torch.bfloat16),
+    ("auto", "float32", "cuda", torch.bfloat16),  # as vLLM: decode is memory-bound, half the bytes
+    ("float32", "bfloat16", "cuda", torch.float32),  # asked for: as asked
+])
+def test_compute_dtype(ckpts: dict[str, Path], asked: str, checkpoint: str, device: str,
+                       expected: torch.dtype) -> None:
+    cfg = replace(ModelConfig.from_dir(str(ckpts["llama"])), torch_dtype=checkpoint)
+    config = EngineConfig(model=str(ckpts["llama"]), dtype=asked)
+    assert resolve_dtype(config, cfg, torch.device(device)) == expected
