@@ -35,7 +35,11 @@ def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
 
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
              slot_mapping: torch.Tensor) -> None:
-    """Store new keys and values [T, KVH, D] into their cache slots."""
+    """Store new keys and values [T, KVH, D] into their cache slots; a negative slot (a padding row of a fixed-size
+    batch, a profiling pass) stores nothing, as in the kernel."""
+    if slot_mapping.numel() and int(slot_mapping.min()) < 0:  # reads the values: fine, the reference is never captured
+        keep = (slot_mapping >= 0).nonzero().squeeze(1)
+        k, v, slot_mapping = k.index_select(0, keep), v.index_select(0, keep), slot_mapping.index_select(0, keep)
     k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slot_mapping, k)
     v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slot_mapping, v)
 

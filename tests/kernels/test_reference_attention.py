@@ -102,6 +102,21 @@ def test_write_kv_writes_exactly_its_slots(bs: int, dtype: torch.dtype) -> None:
     assert torch.equal(v_cache.view(-1, kvh, d)[untouched], v_before.view(-1, kvh, d)[untouched])
 
 
+def test_write_kv_skips_negative_slots_as_the_kernel_does() -> None:
+    # Padding rows of a fixed-size batch (and a profiling pass) carry slot -1: nothing of theirs is stored.
+    g = gen(3)
+    k_cache, v_cache = empty_cache(4, 4, 2, 8, torch.float32, g)
+    k_before, v_before = k_cache.clone(), v_cache.clone()
+    slots = torch.tensor([5, -1, 11, -1])
+    k, v = torch.randn(4, 2, 8, generator=g), torch.randn(4, 2, 8, generator=g)
+    reference.write_kv(k_cache, v_cache, k, v, slots)
+    expect_k, expect_v = k_before.view(-1, 2, 8).clone(), v_before.view(-1, 2, 8).clone()
+    expect_k[[5, 11]], expect_v[[5, 11]] = k[[0, 2]], v[[0, 2]]
+    assert torch.equal(k_cache.view(-1, 2, 8), expect_k) and torch.equal(v_cache.view(-1, 2, 8), expect_v)
+    reference.write_kv(k_cache, v_cache, k, v, torch.full((4,), -1))  # all padding: nothing at all
+    assert torch.equal(k_cache.view(-1, 2, 8), expect_k)
+
+
 def test_gather_kv_returns_a_sequence_in_token_order() -> None:
     g = gen(0)
     k_cache, v_cache, tables, ks, vs = scatter_sequences([13, 6], 4, 2, 8, torch.float32, g)

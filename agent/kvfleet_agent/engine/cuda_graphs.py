@@ -92,8 +92,8 @@ class DecodeGraphRunner:
         self.hidden = torch.zeros((n, hidden_size), dtype=dtype, device=device)
         # One metadata object per size, views of the static buffers: built once, so the captured
         # forward and every replay see the very same tensors.
-        self.metas = {s: AttentionMetadata(self.slot_mapping[:s], [], [], self.block_tables[:s], self.seq_lens[:s],
-                                           has_padding=True) for s in self.sizes}
+        self.metas = {s: AttentionMetadata(self.slot_mapping[:s], [], [], self.block_tables[:s], self.seq_lens[:s])
+                      for s in self.sizes}
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.active = False  # whether ModelRunner.forward routes pure-decode steps here
         self.runs = 0  # steps run here (captured or eager)

@@ -254,7 +254,7 @@ class ModelRunner:
                 layer.v_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
         assert self.config.max_num_batched_tokens is not None  # set by EngineConfig.resolve
         batch = profile_batch(self.config.max_num_batched_tokens, self.config.max_num_seqs, self.max_model_len)
-        hidden, rows = self._eager_hidden(batch, has_padding=True)
+        hidden, rows = self._eager_hidden(batch)
         logits = self.model.compute_logits(hidden.index_select(0, rows))
         del hidden
         # Seeded per row: the engine's default generator must not advance (it would change unseeded outputs).
@@ -339,7 +339,7 @@ class ModelRunner:
             return None
         return self.model.compute_logits(hidden if rows is None else hidden.index_select(0, rows))
 
-    def _eager_hidden(self, batch: StepBatch, has_padding: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    def _eager_hidden(self, batch: StepBatch) -> tuple[torch.Tensor, torch.Tensor]:
         """The model run eagerly over any batch: (hidden states [T, hidden], the sample rows on the device)."""
         nd = batch.decode_tables.shape[0]
         arrays = [batch.input_ids, batch.positions, batch.slot_mapping, batch.sample_rows, batch.decode_tables,
@@ -350,7 +350,6 @@ class ModelRunner:
             decode_groups=self._decode_groups(tables, seq_lens, batch.positions[:nd]),
             prefills=[PrefillSpan(s, n, ctx, t) for (s, n, ctx, _), t in zip(batch.prefills, prefill_tables,
                                                                              strict=True)],
-            has_padding=has_padding,
         )
         return self.model(ids, positions, meta), rows
 

@@ -41,14 +41,11 @@ class AttentionMetadata:
     max_model_len, and the kernel reads each row's length on the device (no host sync).
     """
 
-    slot_mapping: torch.Tensor  # [T]; -1 (only with has_padding) writes nothing
+    slot_mapping: torch.Tensor  # [T]; -1 writes nothing (padding rows of a fixed-size batch, a profiling pass)
     decode_groups: list[DecodeGroup]
     prefills: list[PrefillSpan]
     decode_tables: torch.Tensor | None = None
     decode_seq_lens: torch.Tensor | None = None
-    # Some slots are -1: the padding rows of a fixed-size batch, or a profiling pass that must not
-    # touch the pool. A flag rather than a check of the values, which would sync the host on a GPU.
-    has_padding: bool = False
 
 
 class PagedAttention(nn.Module):
@@ -61,18 +58,9 @@ class PagedAttention(nn.Module):
         self.k_cache = torch.empty(0)
         self.v_cache = torch.empty(0)
 
-    def _write_kv(self, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> None:
-        slots = meta.slot_mapping
-        if meta.has_padding and reference.backend(k) == "reference":
-            # The Triton kernel skips negative slots; the reference's index_copy_ rejects them, so drop
-            # them here. Eager only (a data-dependent shape): captured graphs always run Triton.
-            keep = (slots >= 0).nonzero().squeeze(1)
-            k, v, slots = k.index_select(0, keep), v.index_select(0, keep), slots.index_select(0, keep)
-        reference.write_kv(self.k_cache, self.v_cache, k, v, slots)
-
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """q [T, H, D], k/v [T, KVH, D] → [T, H, D]."""
-        self._write_kv(k, v, meta)
+        reference.write_kv(self.k_cache, self.v_cache, k, v, meta.slot_mapping)
         if meta.decode_tables is not None and meta.decode_seq_lens is not None:
             # No max_seq_len: the table width bounds the context, so launch shapes are fixed per batch size.
             n = meta.decode_tables.shape[0]
