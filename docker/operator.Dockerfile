@@ -11,6 +11,7 @@ WORKDIR /src
 COPY pyproject.toml README.md ./
 COPY agent agent
 COPY kernels kernels
+COPY contract contract
 COPY operator operator
 RUN python -c "import re, tomllib; deps = tomllib.load(open('pyproject.toml', 'rb'))['project']['dependencies']; \
 wanted = {'kopf', 'pydantic', 'pyyaml', 'aiohttp', 'prometheus-client'}; \

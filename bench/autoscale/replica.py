@@ -7,15 +7,9 @@ from bisect import bisect_left
 from collections import deque
 from dataclasses import dataclass
 
+from kvfleet_contract import metrics as contract
 from kvfleet_operator.scrape import HISTOGRAMS, Histogram, Snapshot
 
-# The agent's bucket bounds (agent/kvfleet_agent/server/metrics.py; tests/operator/test_sim_*.py checks they match).
-# Copied, not imported: importing the agent's metrics module pulls in the engine and torch.
-TTFT_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0,
-                5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
-ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5,
-               0.75, 1.0, 2.5, 5.0)
-E2E_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 3.0, 5.0, 7.5, 10.0, 15.0, 20.0, 30.0, 60.0, 120.0, 300.0, 600.0)
 EPS = 1e-6  # tokens: far above float error at simulated times of hours, far below one token
 
 
@@ -100,7 +94,7 @@ class Replica:
         self.decode_rate = self.prefill_rate = 0.0
         self.version = 0  # bumps on every reschedule; events carrying an older version are stale
         self._seq = 0
-        self.hists = {"ttft": _Hist(TTFT_BUCKETS), "itl": _Hist(ITL_BUCKETS), "e2e": _Hist(E2E_BUCKETS)}
+        self.hists = {short: _Hist(contract.BUCKETS[family]) for short, family in HISTOGRAMS.items()}
 
     @property
     def load(self) -> int:

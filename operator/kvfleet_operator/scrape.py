@@ -13,13 +13,11 @@ from dataclasses import dataclass, field
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
-# Short names (used by autoscaling targets) → the agent's histogram families (ARCHITECTURE.md, metric contract).
-HISTOGRAMS: Mapping[str, str] = {
-    "ttft": "kvfleet_time_to_first_token_seconds",
-    "itl": "kvfleet_inter_token_latency_seconds",
-    "e2e": "kvfleet_e2e_request_latency_seconds",
-}
-WAITING, RUNNING = "kvfleet_requests_waiting", "kvfleet_requests_running"
+from kvfleet_contract import metrics as contract
+
+# Short names (used by autoscaling targets) → the agent's histogram families.
+HISTOGRAMS: Mapping[str, str] = contract.LATENCY_TARGETS
+WAITING, RUNNING = contract.REQUESTS_WAITING, contract.REQUESTS_RUNNING
 
 
 class ParseError(ValueError):
@@ -71,7 +69,7 @@ def parse_exposition(text: str, pod: str, at: float, model: str | None = None) -
             if fam.name not in (WAITING, RUNNING) and short is None:
                 continue
             for s in fam.samples:
-                if model is not None and s.labels.get("model") != model:
+                if model is not None and s.labels.get(contract.MODEL_LABEL) != model:
                     continue
                 if short is None:
                     gauges[fam.name] = gauges.get(fam.name, 0.0) + s.value

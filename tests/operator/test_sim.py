@@ -17,16 +17,10 @@ from policies import Hpa
 from simulator import Fleet, simulate
 from workload import RequestMix, Trace, traces
 
-from kvfleet_agent.server import metrics as agent_metrics
+from kvfleet_contract import metrics as contract
 from kvfleet_operator.scrape import MetricsWindow
 
 GPU = replica.PRESETS["gpu-8b"]
-
-
-def test_replica_exports_the_agents_buckets() -> None:
-    assert replica.TTFT_BUCKETS == agent_metrics.TTFT_BUCKETS
-    assert replica.ITL_BUCKETS == agent_metrics.ITL_BUCKETS
-    assert replica.E2E_BUCKETS == agent_metrics.E2E_BUCKETS
 
 
 def drain(pod: replica.Replica, t: float = 0.0) -> tuple[list[replica.Request], float]:
@@ -115,6 +109,6 @@ def test_window_quantile_path_sees_the_simulated_latency() -> None:
     ttfts = sorted(r.first_token for r in done if r.first_token is not None)
     p50 = window.quantile("ttft", 0.5)
     # Interpolated inside the bucket that holds the true median, so within that bucket's bounds.
-    lo = max((b for b in replica.TTFT_BUCKETS if b < ttfts[10]), default=0.0)
-    hi = min(b for b in replica.TTFT_BUCKETS if b >= ttfts[9])
+    lo = max((b for b in contract.TTFT_BUCKETS if b < ttfts[10]), default=0.0)
+    hi = min(b for b in contract.TTFT_BUCKETS if b >= ttfts[9])
     assert p50 is not None and lo <= p50 <= hi

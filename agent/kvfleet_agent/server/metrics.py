@@ -1,4 +1,4 @@
-"""The agent's Prometheus metrics: the contract in ARCHITECTURE.md, labelled by served model name."""
+"""The agent's Prometheus exporter: the families of kvfleet_contract.metrics, labelled by served model name."""
 
 from __future__ import annotations
 
@@ -11,14 +11,7 @@ from prometheus_client.registry import Collector
 from kvfleet_agent.engine.async_llm import AsyncLLM
 from kvfleet_agent.engine.request import Request
 from kvfleet_agent.server.admission import Admission
-
-# Latency buckets in seconds. TTFT starts at 5 ms so fast CPU/GPU replicas still resolve p50.
-TTFT_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0,
-                5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
-ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5,
-               0.75, 1.0, 2.5, 5.0)
-E2E_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 3.0, 5.0, 7.5, 10.0, 15.0, 20.0, 30.0, 60.0, 120.0, 300.0, 600.0)
-QUEUE_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
+from kvfleet_contract import metrics as contract
 
 
 class AgentMetrics(Collector):
@@ -31,18 +24,16 @@ class AgentMetrics(Collector):
     def __init__(self, llm: AsyncLLM, admission: Admission, model: str) -> None:
         self.llm, self.admission, self.model = llm, admission, model
         self.registry = CollectorRegistry(auto_describe=True)
-        labels = ["model"]
+        labels = [contract.MODEL_LABEL]
 
         def hist(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
             return Histogram(name, doc, labels, buckets=buckets, registry=self.registry)
 
-        self.ttft = hist("kvfleet_time_to_first_token_seconds", "Arrival to first output token.", TTFT_BUCKETS)
-        self.itl = hist("kvfleet_inter_token_latency_seconds", "Time between successive output tokens.",
-                        ITL_BUCKETS)
-        self.e2e = hist("kvfleet_e2e_request_latency_seconds", "Arrival to the request's end (any outcome).",
-                        E2E_BUCKETS)
-        self.queue = hist("kvfleet_request_queue_time_seconds", "Arrival to first scheduled.", QUEUE_BUCKETS)
-        self._children = [h.labels(model=model) for h in (self.ttft, self.itl, self.e2e, self.queue)]
+        self.ttft = hist(contract.TTFT, "Arrival to first output token.", contract.TTFT_BUCKETS)
+        self.itl = hist(contract.ITL, "Time between successive output tokens.", contract.ITL_BUCKETS)
+        self.e2e = hist(contract.E2E, "Arrival to the request's end (any outcome).", contract.E2E_BUCKETS)
+        self.queue = hist(contract.QUEUE_TIME, "Arrival to first scheduled.", contract.QUEUE_BUCKETS)
+        self._children = [h.labels(model) for h in (self.ttft, self.itl, self.e2e, self.queue)]
         self.registry.register(self)
         llm.engine.observers.append(self)
 
@@ -72,28 +63,29 @@ class AgentMetrics(Collector):
         m = [self.model]
 
         def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
-            g = GaugeMetricFamily(name, doc, labels=["model"])
+            g = GaugeMetricFamily(name, doc, labels=[contract.MODEL_LABEL])
             g.add_metric(m, value)
             return g
 
         def counter(name: str, doc: str, value: float) -> CounterMetricFamily:
-            c = CounterMetricFamily(name, doc, labels=["model"])
+            c = CounterMetricFamily(name, doc, labels=[contract.MODEL_LABEL])
             c.add_metric(m, value)
             return c
 
-        yield gauge("kvfleet_requests_waiting", "Requests accepted and not yet running (the queue).",
+        yield gauge(contract.REQUESTS_WAITING, "Requests accepted and not yet running (the queue).",
                     self.llm.num_waiting())
-        yield gauge("kvfleet_requests_running", "Requests holding KV blocks and generating.", len(sched.running))
-        yield gauge("kvfleet_kv_cache_usage_ratio", "Fraction of KV blocks held by requests.", kv.pool.usage())
-        yield gauge("kvfleet_engine_last_step_timestamp_seconds",
+        yield gauge(contract.REQUESTS_RUNNING, "Requests holding KV blocks and generating.", len(sched.running))
+        yield gauge(contract.KV_CACHE_USAGE, "Fraction of KV blocks held by requests.", kv.pool.usage())
+        yield gauge(contract.LAST_STEP_TIMESTAMP,
                     "Unix time of the engine's last step (progress watchdog).", counters.last_step_time)
-        yield counter("kvfleet_prompt_tokens", "Prompt tokens accepted.", counters.prompt_tokens)
-        yield counter("kvfleet_generation_tokens", "Tokens generated.", counters.generation_tokens)
-        yield counter("kvfleet_preemptions", "Requests preempted for lack of KV blocks.", sched.num_preemptions)
-        yield counter("kvfleet_prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
+        yield counter(contract.PROMPT_TOKENS, "Prompt tokens accepted.", counters.prompt_tokens)
+        yield counter(contract.GENERATION_TOKENS, "Tokens generated.", counters.generation_tokens)
+        yield counter(contract.PREEMPTIONS, "Requests preempted for lack of KV blocks.", sched.num_preemptions)
+        yield counter(contract.PREFIX_CACHE_QUERIES, "Prompt tokens looked up in the prefix cache.",
                       kv.prefix_queries)
-        yield counter("kvfleet_prefix_cache_hits", "Prompt tokens found in the prefix cache.", kv.prefix_hits)
-        outcomes = CounterMetricFamily("kvfleet_requests", "Requests by outcome.", labels=["model", "outcome"])
+        yield counter(contract.PREFIX_CACHE_HITS, "Prompt tokens found in the prefix cache.", kv.prefix_hits)
+        outcomes = CounterMetricFamily(contract.REQUESTS, "Requests by outcome.",
+                                       labels=[contract.MODEL_LABEL, contract.OUTCOME_LABEL])
         for outcome, n in counters.finished.items():
             outcomes.add_metric([self.model, outcome], n)
         for reason, n in self.admission.rejected.items():

@@ -1,0 +1,44 @@
+"""The agent's metric contract: family names, the label, histogram buckets; read by the exporter, scraper, simulator."""
+
+from __future__ import annotations
+
+from typing import Final
+
+# Every family carries this label: the served model name (one agent serves one model).
+MODEL_LABEL: Final = "model"
+# kvfleet_requests_total's second label: stop, length, abort, or rejected_<reason>.
+OUTCOME_LABEL: Final = "outcome"
+
+# Gauges. Waiting plus running is the queue-depth signal the autoscaler scales on.
+REQUESTS_WAITING: Final = "kvfleet_requests_waiting"
+REQUESTS_RUNNING: Final = "kvfleet_requests_running"
+KV_CACHE_USAGE: Final = "kvfleet_kv_cache_usage_ratio"
+LAST_STEP_TIMESTAMP: Final = "kvfleet_engine_last_step_timestamp_seconds"
+
+# Counters, named without the _total suffix the exposition adds.
+PROMPT_TOKENS: Final = "kvfleet_prompt_tokens"
+GENERATION_TOKENS: Final = "kvfleet_generation_tokens"
+PREEMPTIONS: Final = "kvfleet_preemptions"
+PREFIX_CACHE_QUERIES: Final = "kvfleet_prefix_cache_queries"
+PREFIX_CACHE_HITS: Final = "kvfleet_prefix_cache_hits"
+REQUESTS: Final = "kvfleet_requests"
+
+# Latency histograms, in seconds.
+TTFT: Final = "kvfleet_time_to_first_token_seconds"
+ITL: Final = "kvfleet_inter_token_latency_seconds"
+E2E: Final = "kvfleet_e2e_request_latency_seconds"
+QUEUE_TIME: Final = "kvfleet_request_queue_time_seconds"
+
+# Bucket upper bounds (+Inf is implied). TTFT starts at 5 ms so fast replicas still resolve p50.
+TTFT_BUCKETS: Final = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0,
+                       5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+ITL_BUCKETS: Final = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5,
+                      0.75, 1.0, 2.5, 5.0)
+E2E_BUCKETS: Final = (0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 3.0, 5.0, 7.5, 10.0, 15.0, 20.0, 30.0, 60.0, 120.0, 300.0,
+                      600.0)
+QUEUE_BUCKETS: Final = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0,
+                        300.0)
+
+# The latency histograms the autoscaler's targets name, by their short names (ttftP95, itlP99, e2eP99).
+LATENCY_TARGETS: Final = {"ttft": TTFT, "itl": ITL, "e2e": E2E}
+BUCKETS: Final = {TTFT: TTFT_BUCKETS, ITL: ITL_BUCKETS, E2E: E2E_BUCKETS, QUEUE_TIME: QUEUE_BUCKETS}
