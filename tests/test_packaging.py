@@ -18,8 +18,9 @@ def test_bookkeeping_modules_import_no_torch() -> None:
     p = run_python(
         "import sys\n"
         "import kvfleet_agent\n"
-        "import kvfleet_agent.engine.kv_cache, kvfleet_agent.engine.scheduler, kvfleet_agent.engine.request\n"
-        "import kvfleet_agent.sampling_params, kvfleet_agent.config\n"
+        "import kvfleet_agent.core.kv_cache, kvfleet_agent.core.scheduler, kvfleet_agent.core.request\n"
+        "import kvfleet_agent.core.scheduler_output, kvfleet_agent.sampling_params, kvfleet_agent.config\n"
+        "import kvfleet_contract.metrics\n"
         "print('torch' in sys.modules)\n")
     assert p.returncode == 0, p.stderr
     assert p.stdout.strip() == "False", "the scheduler / KV bookkeeping pulled in torch"

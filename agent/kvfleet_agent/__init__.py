@@ -1,4 +1,4 @@
-"""kvfleet agent: the runtime (offline `LLM` API, async engine) and, later, the serving process."""
+"""kvfleet agent: the runtime (the offline `LLM` API, `AsyncLLM`) and the serving process."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ if TYPE_CHECKING:
     from kvfleet_agent.outputs import CompletionOutput, RequestOutput
     from kvfleet_agent.sampling_params import SamplingParams
 
-# Imported lazily so that `import kvfleet_agent.engine.kv_cache` (pure bookkeeping) never loads torch.
+# Imported lazily so that `import kvfleet_agent.core.kv_cache` (pure bookkeeping) never loads torch.
 _WHERE = {
     "LLM": "kvfleet_agent.llm",
     "AsyncLLM": "kvfleet_agent.engine.async_llm",

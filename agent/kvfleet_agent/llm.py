@@ -11,7 +11,7 @@ from typing import Any, TypedDict
 from tqdm import tqdm
 
 from kvfleet_agent.config import EngineConfig
-from kvfleet_agent.engine.engine import LLMEngine
+from kvfleet_agent.engine.llm_engine import LLMEngine
 from kvfleet_agent.models.tokenizer import Tokenizer
 from kvfleet_agent.outputs import RequestOutput
 from kvfleet_agent.sampling_params import SamplingParams
@@ -80,10 +80,10 @@ class LLM:
         try:
             with bar:
                 while self.engine.has_unfinished():
-                    for t in self.engine.step():
+                    for out in self.engine.step():
                         tokens += 1
-                        if t.request.is_finished:
-                            results[order[t.request.request_id]] = self.engine.output(t)
+                        if out.finished:
+                            results[order[out.request_id]] = out
                             bar.update(1)
                             bar.set_postfix_str(f"{tokens / (time.perf_counter() - start):.0f} tok/s",
                                                 refresh=False)

@@ -8,7 +8,7 @@ from functools import partial
 
 import torch
 
-from kvfleet_kernels import reference
+from kvfleet_kernels import plan, reference
 
 # python -m kvfleet_kernels.bench [--dtype bfloat16] [--only decode,prefill,kv_write,norm,rotary] [--reps 50]
 #
@@ -142,7 +142,7 @@ class Bench:
             tables = torch.tensor([perm[sum(need[:i]):sum(need[:i + 1])] + [0] * (max(need) - n)
                                    for i, n in enumerate(need)], device=self.device)
             lens = torch.tensor(lengths, device=self.device)
-            flat, valid = reference.decode_plan(tables, lens, self.bs, max(lengths))
+            flat, valid = plan.decode_plan(tables, lens, self.bs, max(lengths))
             q = self.randn(batch, self.h, self.d)
             calls.append((partial(pa.planned_decode_attention, q, k, v, flat, valid, scale),
                           partial(reference.planned_decode_attention, q, k, v, flat, valid, scale)))

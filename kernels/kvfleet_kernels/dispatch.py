@@ -9,11 +9,10 @@ from typing import cast
 import torch
 
 from kvfleet_kernels import reference
-from kvfleet_kernels.reference import decode_plan, gather_kv  # step metadata and a test helper: no kernel
 
-__all__ = ["FORCE_ENV", "add_rms_norm", "backend", "causal_attention", "decode_plan", "gather_kv", "interpreting",
-           "kernel_module", "paged_decode_attention", "paged_prefill_attention", "planned_decode_attention", "rms_norm",
-           "rotary", "write_kv"]
+__all__ = ["FORCE_ENV", "add_rms_norm", "backend", "causal_attention", "interpreting", "kernel_module",
+           "paged_decode_attention", "paged_prefill_attention", "planned_decode_attention", "rms_norm", "rotary",
+           "write_kv"]
 
 # KVFLEET_FORCE_TRITON=1 runs the Triton kernels on CPU tensors too, in Triton's interpreter, which the process
 # must have chosen before importing triton (TRITON_INTERPRET=1 in its environment: Triton's own tl.* helpers are

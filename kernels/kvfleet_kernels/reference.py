@@ -11,6 +11,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from kvfleet_kernels.plan import decode_plan
+
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm computed in float32, cast back to x's dtype (as Llama does)."""
@@ -48,18 +50,6 @@ def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> to
     """One sequence's first `length` cached entries, [length, KVH, D], from its block table."""
     num_blocks = -(-length // cache.shape[1])
     return cache.index_select(0, block_table[:num_blocks]).flatten(0, 1)[:length]
-
-
-def decode_plan(block_tables: torch.Tensor, seq_lens: torch.Tensor, block_size: int,
-                max_seq_len: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """What paged_decode_attention gathers: (flat block index [B * nb], valid-slot mask [B, nb * block_size]).
-
-    It depends only on the step, not the layer, so a model computes it once per step.
-    """
-    max_len = int(seq_lens.max()) if max_seq_len is None else max_seq_len
-    nb = -(-max_len // block_size)
-    valid = torch.arange(nb * block_size, device=seq_lens.device) < seq_lens[:, None]
-    return block_tables[:, :nb].reshape(-1), valid
 
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import itertools
 
-from kvfleet_agent.engine.kv_cache import KVCacheManager
-from kvfleet_agent.engine.request import Request, RequestStatus
-from kvfleet_agent.engine.scheduler import Scheduler, SchedulerOutput
+from kvfleet_agent.core.kv_cache import KVCacheManager
+from kvfleet_agent.core.request import Request, RequestStatus
+from kvfleet_agent.core.scheduler import Scheduler
+from kvfleet_agent.core.scheduler_output import SchedulerOutput
 from kvfleet_agent.sampling_params import SamplingParams
 
 

@@ -9,10 +9,11 @@ from typing import Any
 import torch
 
 from kvfleet_agent.config import EngineConfig
-from kvfleet_agent.engine.model_runner import ModelRunner, StepBatch, plan_batch
-from kvfleet_agent.engine.scheduler import ScheduledChunk
+from kvfleet_agent.core.scheduler_output import ScheduledChunk
 from kvfleet_agent.models.config import ModelConfig
 from kvfleet_agent.sampling_params import SamplingParams
+from kvfleet_agent.worker.model_runner import ModelRunner
+from kvfleet_agent.worker.step_batch import StepBatch, plan_batch
 
 MAX_MODEL_LEN = 64
 BLOCK_SIZE = 4  # small, so that contexts span several blocks

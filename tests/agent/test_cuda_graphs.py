@@ -18,10 +18,12 @@ from runner_helpers import Sequences, make_runner, snapshot, written_elsewhere
 
 from kvfleet_agent import LLM, SamplingParams, cli
 from kvfleet_agent.config import EngineConfig
-from kvfleet_agent.engine.cuda_graphs import DecodeGraphRunner, capture_sizes, to_device
-from kvfleet_agent.engine.model_runner import kv_budget_from_profile, plan_batch, profile_batch
-from kvfleet_agent.engine.scheduler import ScheduledChunk
+from kvfleet_agent.core.scheduler_output import ScheduledChunk
 from kvfleet_agent.llm import TokensPrompt
+from kvfleet_agent.worker.cuda_graphs import DecodeGraphRunner, capture_sizes
+from kvfleet_agent.worker.device import to_device
+from kvfleet_agent.worker.kv_budget import kv_budget_from_profile
+from kvfleet_agent.worker.step_batch import plan_batch, profile_batch
 
 GiB = 1 << 30
 # Contexts of 1 to 37 tokens: with 4-token blocks the longest spans ten blocks.

@@ -13,9 +13,10 @@ from llm_helpers import ENGINE_OPTIONS
 from runner_helpers import Sequences, make_runner
 
 from kvfleet_agent import LLM, SamplingParams
-from kvfleet_agent.engine.cuda_graphs import host_buffer, to_device
-from kvfleet_agent.engine.model_runner import ModelRunner, StepBatch
 from kvfleet_agent.llm import TokensPrompt
+from kvfleet_agent.worker.device import host_buffer, to_device
+from kvfleet_agent.worker.model_runner import ModelRunner
+from kvfleet_agent.worker.step_batch import StepBatch
 
 pytestmark = pytest.mark.gpu  # conftest skips these without CUDA ("needs a CUDA GPU")
 

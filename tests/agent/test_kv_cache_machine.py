@@ -19,7 +19,7 @@ from hypothesis.stateful import (
     rule,
 )
 
-from kvfleet_agent.engine.kv_cache import KVCacheManager, hash_block
+from kvfleet_agent.core.kv_cache import KVCacheManager, hash_block
 
 VOCAB = st.integers(min_value=0, max_value=2)
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from bookkeeping_helpers import BS, admit, free_order, run_prompt, toks
 
-from kvfleet_agent.engine.kv_cache import BlockPool, KVCacheManager
+from kvfleet_agent.core.kv_cache import BlockPool, KVCacheManager
 
 # ---------------------------------------------------------------------------------------------
 # construction

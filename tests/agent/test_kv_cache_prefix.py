@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from bookkeeping_helpers import BS, admit, run_prompt, toks
 
-from kvfleet_agent.engine.kv_cache import BlockPool, KVCacheManager, hash_block
+from kvfleet_agent.core.kv_cache import BlockPool, KVCacheManager, hash_block
 
 # ---------------------------------------------------------------------------------------------
 # prefix hits

@@ -16,10 +16,10 @@ from kvfleet_agent.layers.linear import (
     linear,
     pack,
 )
+from kvfleet_agent.layers.tp_group import TPGroup
 from kvfleet_agent.models.config import ModelConfig
 from kvfleet_agent.models.llama import LlamaForCausalLM
 from kvfleet_agent.models.loader import load_weights
-from kvfleet_agent.parallel.group import TPGroup
 
 pytestmark = pytest.mark.skipif(not can_pack(torch.empty(1, 1)), reason="this torch build has no oneDNN")
 

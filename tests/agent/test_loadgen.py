@@ -15,7 +15,7 @@ from typing import Any, TypeVar
 
 import pytest
 from aiohttp import web
-from test_loadgen_helpers import chunk, run
+from loadgen_helpers import chunk, run
 
 from kvfleet_agent.bench import loadgen
 from kvfleet_agent.bench.loadgen import BenchConfig, parse_retry_after, run_benchmark

@@ -8,8 +8,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvfleet_agent.engine.sampler import Sampler, _cut
 from kvfleet_agent.sampling_params import SamplingParams
+from kvfleet_agent.worker.sampler import Sampler, _cut
 
 # --- the top-k / top-p cut -----------------------------------------------------------------------
 

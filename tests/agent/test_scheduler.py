@@ -1,11 +1,11 @@
-"""Unit tests of the iteration-level scheduler (kvfleet_agent.engine.scheduler): a real KVCacheManager, no model."""
+"""Unit tests of the iteration-level scheduler (kvfleet_agent.core.scheduler): a real KVCacheManager, no model."""
 
 from __future__ import annotations
 
 from bookkeeping_helpers import add, chunk_of, make, req, run_to_completion, status, step, toks
 
-from kvfleet_agent.engine.request import RequestStatus
-from kvfleet_agent.engine.scheduler import Scheduler
+from kvfleet_agent.core.request import RequestStatus
+from kvfleet_agent.core.scheduler import Scheduler
 
 # ---------------------------------------------------------------------------------------------
 # documentation

@@ -9,7 +9,7 @@ from bookkeeping_helpers import add, make, req, run_to_completion, sample_all, t
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from kvfleet_agent.engine.request import RequestStatus
+from kvfleet_agent.core.request import RequestStatus
 
 
 @dataclass

@@ -21,10 +21,12 @@ import numpy as np
 import torch
 
 from kvfleet_agent.config import EngineConfig
-from kvfleet_agent.engine.model_runner import ModelRunner, StepBatch, plan_batch, rank_device
-from kvfleet_agent.engine.scheduler import ScheduledChunk
+from kvfleet_agent.core.scheduler_output import ScheduledChunk
 from kvfleet_agent.models.config import ModelConfig
 from kvfleet_agent.sampling_params import SamplingParams
+from kvfleet_agent.worker.device import rank_device
+from kvfleet_agent.worker.model_runner import ModelRunner
+from kvfleet_agent.worker.step_batch import StepBatch, plan_batch
 
 # python -m kvfleet_agent.bench.decode --model DIR [--make llama3-8b|tiny] --batch 1 8 32 128 --context 1024 \
 #     --dtype bfloat16 [--enforce-eager] [--steps N] [--warmup N] [--json OUT]

@@ -1,1 +1,1 @@
-"""The engine: requests, scheduler, KV-cache bookkeeping, model runner, sampler."""
+"""The engine: the step loop over scheduler and executor, detokenizing, and AsyncLLM, the facade the server uses."""

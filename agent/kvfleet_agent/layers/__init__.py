@@ -1,1 +1,1 @@
-"""Building blocks of the models: linear, attention, norm, rotary and embedding layers."""
+"""Building blocks of the models: linear, attention, norm, rotary, embedding layers and their tensor-parallel group."""

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from kvfleet_kernels import dispatch as reference  # Triton on CUDA, the PyTorch reference elsewhere
+from kvfleet_kernels import dispatch  # Triton on CUDA, the PyTorch reference elsewhere
 
 
 @dataclass(slots=True)
@@ -60,11 +60,11 @@ class PagedAttention(nn.Module):
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """q [T, H, D], k/v [T, KVH, D] → [T, H, D]."""
-        reference.write_kv(self.k_cache, self.v_cache, k, v, meta.slot_mapping)
+        dispatch.write_kv(self.k_cache, self.v_cache, k, v, meta.slot_mapping)
         if meta.decode_tables is not None and meta.decode_seq_lens is not None:
             # No max_seq_len: the table width bounds the context, so launch shapes are fixed per batch size.
             n = meta.decode_tables.shape[0]
-            decoded = reference.paged_decode_attention(q[:n], self.k_cache, self.v_cache, meta.decode_tables,
+            decoded = dispatch.paged_decode_attention(q[:n], self.k_cache, self.v_cache, meta.decode_tables,
                                                        meta.decode_seq_lens, self.scale)
             if n == q.shape[0] and not meta.prefills:  # a pure decode batch (every CUDA graph): no copy
                 return decoded
@@ -73,13 +73,13 @@ class PagedAttention(nn.Module):
         else:
             out = torch.empty_like(q)
         for g in meta.decode_groups:
-            out[g.start:g.end] = reference.planned_decode_attention(
+            out[g.start:g.end] = dispatch.planned_decode_attention(
                 q[g.start:g.end], self.k_cache, self.v_cache, g.flat_block_index, g.valid, self.scale)
         for p in meta.prefills:
             span = slice(p.query_start, p.query_start + p.query_len)
             if p.context_start == 0:  # nothing cached before the chunk: attend to its fresh K/V directly
-                out[span] = reference.causal_attention(q[span], k[span], v[span], self.scale)
+                out[span] = dispatch.causal_attention(q[span], k[span], v[span], self.scale)
             else:
-                out[span] = reference.paged_prefill_attention(q[span], self.k_cache, self.v_cache, p.block_table,
+                out[span] = dispatch.paged_prefill_attention(q[span], self.k_cache, self.v_cache, p.block_table,
                                                               p.context_start + p.query_len, self.scale)
         return out

@@ -7,8 +7,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvfleet_agent.layers.linear import SINGLE, attach_loader, can_pack, linear, pack
+from kvfleet_agent.layers.tp_group import TPGroup
 from kvfleet_agent.layers.weights import CheckpointTensor
-from kvfleet_agent.parallel.group import TPGroup
 
 
 class VocabParallelEmbedding(nn.Module):

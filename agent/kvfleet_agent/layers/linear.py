@@ -15,8 +15,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kvfleet_agent.layers.tp_group import TPGroup
 from kvfleet_agent.layers.weights import CheckpointTensor
-from kvfleet_agent.parallel.group import TPGroup
 
 WeightLoader = Callable[[nn.Parameter, CheckpointTensor, str | None], None]
 SINGLE = TPGroup()  # the default group: one rank, collectives are no-ops

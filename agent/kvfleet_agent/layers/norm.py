@@ -7,7 +7,7 @@ from torch import nn
 
 from kvfleet_agent.layers.linear import attach_loader, check_shape
 from kvfleet_agent.layers.weights import CheckpointTensor
-from kvfleet_kernels import dispatch as reference  # Triton on CUDA, the PyTorch reference elsewhere
+from kvfleet_kernels import dispatch  # Triton on CUDA, the PyTorch reference elsewhere
 
 
 def _load(param: nn.Parameter, loaded: CheckpointTensor, shard: str | None = None) -> None:
@@ -26,5 +26,5 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None
                 ) -> tuple[torch.Tensor, torch.Tensor]:
         if residual is None:
-            return reference.rms_norm(x, self.weight, self.eps), x
-        return reference.add_rms_norm(x, residual, self.weight, self.eps)
+            return dispatch.rms_norm(x, self.weight, self.eps), x
+        return dispatch.add_rms_norm(x, residual, self.weight, self.eps)

@@ -8,7 +8,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from kvfleet_kernels import dispatch as reference  # Triton on CUDA, the PyTorch reference elsewhere
+from kvfleet_kernels import dispatch  # Triton on CUDA, the PyTorch reference elsewhere
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
@@ -53,4 +53,4 @@ class RotaryEmbedding(nn.Module):
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """Rotate x [T, heads, D] by each token's position (queries and keys together in one call)."""
         cos, sin = self.cos.index_select(0, positions), self.sin.index_select(0, positions)
-        return reference.rotary(x, cos, sin)
+        return dispatch.rotary(x, cos, sin)

@@ -13,8 +13,8 @@ from kvfleet_agent.layers.embedding import ParallelLMHead, VocabParallelEmbeddin
 from kvfleet_agent.layers.linear import SINGLE, MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from kvfleet_agent.layers.norm import RMSNorm
 from kvfleet_agent.layers.rotary import RotaryEmbedding
+from kvfleet_agent.layers.tp_group import TPGroup
 from kvfleet_agent.models.config import ModelConfig
-from kvfleet_agent.parallel.group import TPGroup
 
 
 class LlamaAttention(nn.Module):

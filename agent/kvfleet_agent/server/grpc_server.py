@@ -7,7 +7,7 @@
 #
 # `-I agent` makes the proto's import path kvfleet_agent/server/kvfleet.proto, so the generated
 # kvfleet_pb2_grpc.py imports `from kvfleet_agent.server import kvfleet_pb2` and works inside the
-# package. tests/agent/test_grpc.py reruns the command and fails if the committed files differ.
+# package. tests/agent/test_grpc_server.py reruns the command and fails if the committed files differ.
 
 from __future__ import annotations
 
@@ -17,7 +17,8 @@ from typing import Any, NoReturn
 
 import grpc
 
-from kvfleet_agent.engine.async_llm import AsyncLLM, EngineDeadError, RequestStream
+from kvfleet_agent.engine.async_llm import AsyncLLM, EngineDeadError
+from kvfleet_agent.engine.request_stream import RequestStream
 from kvfleet_agent.outputs import Logprob, RequestOutput
 from kvfleet_agent.sampling_params import SamplingParams
 from kvfleet_agent.server import kvfleet_pb2 as pb

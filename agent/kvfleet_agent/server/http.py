@@ -12,7 +12,8 @@ from typing import Any
 
 from aiohttp import web
 
-from kvfleet_agent.engine.async_llm import AsyncLLM, EngineDeadError, RequestStream
+from kvfleet_agent.engine.async_llm import AsyncLLM, EngineDeadError
+from kvfleet_agent.engine.request_stream import RequestStream
 from kvfleet_agent.outputs import RequestOutput
 from kvfleet_agent.server import protocol
 from kvfleet_agent.server.admission import Admission, Refusal
@@ -86,9 +87,9 @@ class HTTPFrontend:
             body = await request.json()
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise APIError(f"the request body is not valid JSON: {e}") from None
-        req, messages = protocol.parse(body, self.model, chat, self.llm.engine.max_model_len)
+        req, messages = protocol.parse(body, self.model, chat, self.llm.max_model_len)
         if chat:
-            tokenizer = self.llm.engine.tokenizer
+            tokenizer = self.llm.tokenizer
             if tokenizer is None:
                 raise APIError("this model has no tokenizer.json, so chat is unavailable; use /v1/completions "
                                "with prompt token ids", "messages")
@@ -178,7 +179,7 @@ class HTTPFrontend:
             item = await anext(merged, None)
 
     def _decoder(self) -> Any:
-        tok = self.llm.engine.tokenizer
+        tok = self.llm.tokenizer
         return (lambda t: tok.decode([t], skip_special_tokens=False)) if tok is not None else str
 
     # -- the rest ---------------------------------------------------------------------------------
@@ -187,12 +188,12 @@ class HTTPFrontend:
         """GET /v1/models: the one served model."""
         return web.json_response({"object": "list", "data": [{
             "id": self.model, "object": "model", "created": self.created, "owned_by": "kvfleet",
-            "max_model_len": self.llm.engine.max_model_len}]})
+            "max_model_len": self.llm.max_model_len}]})
 
     async def health(self, request: web.Request) -> web.Response:
         """GET /health (liveness): the engine thread is alive and, when it has work, stepping."""
-        engine = self.llm.engine
-        stalled = engine.has_unfinished() and time.time() - engine.counters.last_step_time > self.stall_timeout_s
+        stats = self.llm.stats()
+        stalled = stats.has_unfinished and time.time() - stats.last_step_time > self.stall_timeout_s
         if not self.llm.is_alive or stalled:
             why = "the engine thread has failed" if not self.llm.is_alive else \
                 f"no engine step for over {self.stall_timeout_s:.0f} s with requests pending"

@@ -52,7 +52,7 @@ async def serve(engine_config: EngineConfig, opts: ServeOptions) -> int:
 
         grpc_server, grpc_port = await start_grpc_server(llm, admission, opts.served_model_name, opts.host,
                                                          opts.grpc_port)
-    pids = llm.engine.executor.worker_pids()
+    pids = llm.worker_pids()
     if pids:  # machine-readable too: supervisors and tests can watch (or kill) the tensor-parallel ranks
         print(f"kvfleet-agent workers: {' '.join(map(str, pids))}", flush=True)
     # One machine-readable line: tests and supervisors learn the real ports (0 means "any free one").
@@ -74,7 +74,7 @@ async def serve(engine_config: EngineConfig, opts: ServeOptions) -> int:
         await grpc_server.stop(grace=1.0)
     await runner.cleanup()
     # After the drain: an engine (or a tensor-parallel worker) that died meanwhile is a failure.
-    code = 0 if llm.error is None and llm.engine.executor.failure is None else 1
+    code = 0 if llm.failure() is None else 1
     log.info("kvfleet-agent stopped (exit %d)", code)
     return code
 
@@ -100,5 +100,5 @@ async def _watch_engine(llm: AsyncLLM, stop: asyncio.Event) -> None:
     """Stop the process when the engine thread (or a tensor-parallel worker) dies, so the pod restarts."""
     while llm.is_alive:
         await asyncio.sleep(1.0)
-    log.error("the engine died (%s); exiting", llm.error or llm.engine.executor.failure)
+    log.error("the engine died (%s); exiting", llm.failure())
     stop.set()

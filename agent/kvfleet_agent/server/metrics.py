@@ -8,8 +8,8 @@ from prometheus_client import CollectorRegistry, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from kvfleet_agent.core.request import Request
 from kvfleet_agent.engine.async_llm import AsyncLLM
-from kvfleet_agent.engine.request import Request
 from kvfleet_agent.server.admission import Admission
 from kvfleet_contract import metrics as contract
 
@@ -35,7 +35,7 @@ class AgentMetrics(Collector):
         self.queue = hist(contract.QUEUE_TIME, "Arrival to first scheduled.", contract.QUEUE_BUCKETS)
         self._children = [h.labels(model) for h in (self.ttft, self.itl, self.e2e, self.queue)]
         self.registry.register(self)
-        llm.engine.observers.append(self)
+        llm.add_observer(self)
 
     # -- EngineObserver (engine thread) -----------------------------------------------------------
 
@@ -58,8 +58,7 @@ class AgentMetrics(Collector):
 
     def collect(self) -> Iterator[Metric]:
         """The engine's gauges and counters as they are now."""
-        engine = self.llm.engine
-        sched, kv, counters = engine.scheduler, engine.kv, engine.counters
+        stats = self.llm.stats()
         m = [self.model]
 
         def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
@@ -73,20 +72,20 @@ class AgentMetrics(Collector):
             return c
 
         yield gauge(contract.REQUESTS_WAITING, "Requests accepted and not yet running (the queue).",
-                    self.llm.num_waiting())
-        yield gauge(contract.REQUESTS_RUNNING, "Requests holding KV blocks and generating.", len(sched.running))
-        yield gauge(contract.KV_CACHE_USAGE, "Fraction of KV blocks held by requests.", kv.pool.usage())
+                    stats.num_waiting)
+        yield gauge(contract.REQUESTS_RUNNING, "Requests holding KV blocks and generating.", stats.num_running)
+        yield gauge(contract.KV_CACHE_USAGE, "Fraction of KV blocks held by requests.", stats.kv_cache_usage)
         yield gauge(contract.LAST_STEP_TIMESTAMP,
-                    "Unix time of the engine's last step (progress watchdog).", counters.last_step_time)
-        yield counter(contract.PROMPT_TOKENS, "Prompt tokens accepted.", counters.prompt_tokens)
-        yield counter(contract.GENERATION_TOKENS, "Tokens generated.", counters.generation_tokens)
-        yield counter(contract.PREEMPTIONS, "Requests preempted for lack of KV blocks.", sched.num_preemptions)
+                    "Unix time of the engine's last step (progress watchdog).", stats.last_step_time)
+        yield counter(contract.PROMPT_TOKENS, "Prompt tokens accepted.", stats.prompt_tokens)
+        yield counter(contract.GENERATION_TOKENS, "Tokens generated.", stats.generation_tokens)
+        yield counter(contract.PREEMPTIONS, "Requests preempted for lack of KV blocks.", stats.num_preemptions)
         yield counter(contract.PREFIX_CACHE_QUERIES, "Prompt tokens looked up in the prefix cache.",
-                      kv.prefix_queries)
-        yield counter(contract.PREFIX_CACHE_HITS, "Prompt tokens found in the prefix cache.", kv.prefix_hits)
+                      stats.prefix_cache_queries)
+        yield counter(contract.PREFIX_CACHE_HITS, "Prompt tokens found in the prefix cache.", stats.prefix_cache_hits)
         outcomes = CounterMetricFamily(contract.REQUESTS, "Requests by outcome.",
                                        labels=[contract.MODEL_LABEL, contract.OUTCOME_LABEL])
-        for outcome, n in counters.finished.items():
+        for outcome, n in stats.finished.items():
             outcomes.add_metric([self.model, outcome], n)
         for reason, n in self.admission.rejected.items():
             outcomes.add_metric([self.model, f"rejected_{reason}"], n)

@@ -8,7 +8,7 @@ import json
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from test_loadgen_helpers import chunk
+from loadgen_helpers import chunk
 
 from kvfleet_agent.bench.sse import SSEEvent, SSEParser, StreamState
 

@@ -1,24 +1,24 @@
-"""LLMEngine: add requests, step (schedule → run → update), abort; the synchronous core of every API."""
+"""LLMEngine: add requests, step (schedule → execute → update), abort; the synchronous core of every API."""
 
 from __future__ import annotations
 
 import logging
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
-from typing import Protocol
+from dataclasses import dataclass
 
 from kvfleet_agent.config import EngineConfig
+from kvfleet_agent.core.kv_cache import KVCacheManager
+from kvfleet_agent.core.request import Request, RequestStatus
+from kvfleet_agent.core.scheduler import Scheduler
 from kvfleet_agent.engine.detokenizer import IncrementalDetokenizer
-from kvfleet_agent.engine.kv_cache import KVCacheManager
-from kvfleet_agent.engine.model_runner import rank_device
-from kvfleet_agent.engine.request import Request, RequestStatus
-from kvfleet_agent.engine.scheduler import Scheduler
+from kvfleet_agent.engine.stats import EngineCounters, EngineObserver, EngineStats
 from kvfleet_agent.models.config import ModelConfig
 from kvfleet_agent.models.tokenizer import Tokenizer
 from kvfleet_agent.outputs import CompletionOutput, Logprob, RequestOutput
-from kvfleet_agent.parallel.executor import Executor
 from kvfleet_agent.sampling_params import SamplingParams
+from kvfleet_agent.worker.device import rank_device
+from kvfleet_agent.worker.executor import Executor
 
 log = logging.getLogger(__name__)
 
@@ -33,26 +33,6 @@ class _Tracked:
     # Text safe to show so far: no partial character, no possible stop-string prefix. Every value
     # it takes is a prefix of the final text, so streams can send differences.
     text: str = ""
-
-
-class EngineObserver(Protocol):
-    """Told of every token and every finished request, on the engine's thread (for metrics)."""
-
-    def on_token(self, req: Request, now: float, gap: float | None) -> None:
-        """A token was generated; gap is the time since the request's previous token (None for the first)."""
-
-    def on_finish(self, req: Request, now: float) -> None:
-        """The request ended (stop, length or abort)."""
-
-
-@dataclass
-class EngineCounters:
-    """Monotonic totals since start, read by metrics exporters."""
-
-    prompt_tokens: int = 0
-    generation_tokens: int = 0
-    finished: dict[str, int] = field(default_factory=lambda: {"stop": 0, "length": 0, "abort": 0})
-    last_step_time: float = 0.0
 
 
 class LLMEngine:
@@ -184,8 +164,15 @@ class LLMEngine:
             self.counters.finished["abort"] += 1
             for obs in self.observers:
                 obs.on_finish(req, now)
-            outs.append(self.output(self._tracked.pop(req.request_id)))
+            outs.append(self._output(self._tracked.pop(req.request_id)))
         return outs
+
+    def stats(self, in_flight: int = 0) -> EngineStats:
+        """The gauges and counters now; in_flight: requests accepted by a caller but not yet add()ed."""
+        sched, kv, c = self.scheduler, self.kv, self.counters
+        return EngineStats(len(sched.waiting) + in_flight, len(sched.running), sched.has_work(), kv.pool.usage(),
+                           c.prompt_tokens, c.generation_tokens, dict(c.finished), sched.num_preemptions,
+                           kv.prefix_queries, kv.prefix_hits, c.last_step_time)
 
     def unfinished_ids(self) -> list[str]:
         """Ids of every request waiting or running."""
@@ -197,8 +184,9 @@ class LLMEngine:
 
     # -- the loop -------------------------------------------------------------------------------
 
-    def step(self) -> list[_Tracked]:
-        """Schedule, run and update one step; returns the requests that got a token (finished ones too)."""
+    def step(self) -> list[RequestOutput]:
+        """Schedule, execute and update one step; returns the outputs of the requests that got a token (finished
+        ones too), cumulative."""
         plan = self.scheduler.schedule()
         now = time.monotonic()
         for chunk in plan.chunks:
@@ -228,7 +216,7 @@ class LLMEngine:
                 for obs in self.observers:
                     obs.on_finish(req, now)
                 del self._tracked[req.request_id]
-            out.append(t)
+            out.append(self._output(t))
         return out
 
     def _detokenize(self, t: _Tracked) -> None:
@@ -245,7 +233,7 @@ class LLMEngine:
             t.text += detok.flush()  # release text held back as a possible stop-string prefix
 
     @staticmethod
-    def output(t: _Tracked) -> RequestOutput:
+    def _output(t: _Tracked) -> RequestOutput:
         """The public view of a request's state."""
         req = t.request
         text = t.text

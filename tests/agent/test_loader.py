@@ -10,10 +10,10 @@ from loader_helpers import copy_of, edit_config
 from safetensors.torch import load_file, save_file
 
 from kvfleet_agent import EngineConfig
-from kvfleet_agent.engine.model_runner import ModelRunner
 from kvfleet_agent.models.config import ModelConfig
 from kvfleet_agent.models.llama import LlamaForCausalLM
 from kvfleet_agent.models.tiny import ARCHS, init_tiny
+from kvfleet_agent.worker.model_runner import ModelRunner
 
 
 def edit_tensors(d: Path, drop: tuple[str, ...] = (), add: dict[str, torch.Tensor] | None = None) -> None:

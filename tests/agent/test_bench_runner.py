@@ -10,7 +10,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from test_loadgen_helpers import run
+from loadgen_helpers import run
 
 from kvfleet_agent.bench.report import RequestRecord
 from kvfleet_agent.bench.runner import run_load

@@ -3,153 +3,32 @@
 from __future__ import annotations
 
 import logging
-import os
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Iterable
 
 import numpy as np
 import torch
 
 from kvfleet_agent.config import EngineConfig
-from kvfleet_agent.engine.cuda_graphs import DecodeGraphRunner, to_device
-from kvfleet_agent.engine.sampler import Sampler
-from kvfleet_agent.engine.scheduler import ScheduledChunk, SchedulerOutput
+from kvfleet_agent.core.scheduler_output import ScheduledChunk
 from kvfleet_agent.layers.attention import AttentionMetadata, DecodeGroup, PagedAttention, PrefillSpan
+from kvfleet_agent.layers.tp_group import TPGroup
 from kvfleet_agent.models.config import ModelConfig
 from kvfleet_agent.models.llama import LlamaForCausalLM
 from kvfleet_agent.models.loader import load_weights
 from kvfleet_agent.outputs import Logprob
-from kvfleet_agent.parallel.group import TPGroup
 from kvfleet_agent.sampling_params import SamplingParams
-from kvfleet_kernels import dispatch, reference
+from kvfleet_agent.worker.cuda_graphs import DecodeGraphRunner
+from kvfleet_agent.worker.device import rank_device, resolve_dtype, to_device
+from kvfleet_agent.worker.kv_budget import cpu_kv_budget, kv_budget_from_profile
+from kvfleet_agent.worker.sampler import Sampler
+from kvfleet_agent.worker.step_batch import StepBatch, plan_batch, profile_batch, warmup_steps
+from kvfleet_kernels import dispatch
+from kvfleet_kernels.plan import decode_plan
 
 log = logging.getLogger(__name__)
 
-DEFAULT_CPU_KV_BYTES = 2 << 30
 DECODE_GROUP = 16  # decode rows per attention call; measured best on CPU (gathered K/V stays in cache)
-
-
-@dataclass(slots=True)
-class StepBatch:
-    """A step's chunks flattened into one token batch (decodes first, sorted by length), as numpy arrays.
-
-    Plain data on purpose: rank 0 builds it once from the scheduler's output and sends it to the
-    other ranks, which only copy it to their device. Sampling parameters stay on rank 0.
-    """
-
-    input_ids: np.ndarray  # [T]
-    positions: np.ndarray  # [T]
-    slot_mapping: np.ndarray  # [T] where each token's K/V goes in the paged pool
-    decode_tables: np.ndarray  # [num_decodes, width] block tables of the decode rows
-    prefills: list[tuple[int, int, int, np.ndarray]]  # (query_start, query_len, context_start, block table)
-    sample_rows: np.ndarray  # [S] rows whose hidden state yields a next token
-
-
-def plan_batch(chunks: list[ScheduledChunk], block_size: int) -> tuple[StepBatch, list[ScheduledChunk]]:
-    """The step's batch, and the chunks that sample (in the order of the batch's sample rows)."""
-    bs = block_size
-    decodes = sorted((c for c in chunks if len(c.token_ids) == 1), key=lambda c: c.start_pos)
-    prefills = [c for c in chunks if len(c.token_ids) > 1]
-    nd = len(decodes)
-    # Decodes: one token each, vectorised over the batch.
-    d_pos = np.fromiter((c.start_pos for c in decodes), dtype=np.int64, count=nd)
-    width = max((len(c.block_table) for c in decodes), default=1)
-    tables = np.zeros((nd, width), dtype=np.int64)
-    for i, c in enumerate(decodes):
-        tables[i, :len(c.block_table)] = c.block_table
-    d_slots = tables[np.arange(nd), d_pos // bs] * bs + d_pos % bs
-    ids: list[int] = [c.token_ids[0] for c in decodes]
-    pos_parts, slot_parts = [d_pos], [d_slots]
-    spans: list[tuple[int, int, int, np.ndarray]] = []
-    sample_rows = [i for i, c in enumerate(decodes) if c.sample]
-    start = nd
-    for c in prefills:
-        n = len(c.token_ids)
-        table = np.asarray(c.block_table, dtype=np.int64)
-        pos = np.arange(c.start_pos, c.start_pos + n, dtype=np.int64)
-        ids += c.token_ids
-        pos_parts.append(pos)
-        slot_parts.append(table[pos // bs] * bs + pos % bs)
-        spans.append((start, n, c.start_pos, table))
-        if c.sample:
-            sample_rows.append(start + n - 1)
-        start += n
-    batch = StepBatch(np.asarray(ids, dtype=np.int64), np.concatenate(pos_parts), np.concatenate(slot_parts),
-                      tables, spans, np.asarray(sample_rows, dtype=np.int64))
-    return batch, [c for c in decodes if c.sample] + [c for c in prefills if c.sample]
-
-
-def warmup_steps(block_size: int) -> list[SchedulerOutput]:
-    """One throwaway prefill and decode, so the first real request does not pay for lazy init.
-
-    They write K/V into block 0, which is harmless: no block is read before its owner writes it.
-    """
-    params = SamplingParams(max_tokens=1, temperature=0.0)
-    n = min(block_size, 8)
-    prefill = ScheduledChunk("warmup", [0] * n, 0, [0], True, params)
-    decode = ScheduledChunk("warmup-decode", [0], n - 1, [0], True, params)
-    return [SchedulerOutput([prefill], n), SchedulerOutput([decode], 1, finished=["warmup", "warmup-decode"])]
-
-
-def profile_batch(num_tokens: int, max_num_seqs: int, max_model_len: int) -> StepBatch:
-    """The largest step the scheduler can send, as dummy prompts: num_tokens tokens over up to
-    max_num_seqs sequences (none longer than max_model_len), each sampling once. Every slot is -1, so
-    running it writes nothing into the KV pool; from position 0, its attention reads no cache either."""
-    seqs = min(max_num_seqs, num_tokens)
-    lens = np.full(seqs, num_tokens // seqs, dtype=np.int64)
-    lens[:num_tokens % seqs] += 1
-    lens = np.minimum(lens, max_model_len)
-    starts = np.concatenate(([0], np.cumsum(lens)[:-1]))
-    total = int(lens.sum())
-    spans = [(int(s), int(n), 0, np.zeros(1, dtype=np.int64)) for s, n in zip(starts, lens, strict=True)]
-    return StepBatch(np.zeros(total, dtype=np.int64), np.concatenate([np.arange(n) for n in lens]),
-                     np.full(total, -1, dtype=np.int64), np.zeros((0, 1), dtype=np.int64), spans,
-                     (starts + lens - 1).astype(np.int64))
-
-
-def kv_budget_from_profile(total: int, free: int, torch_allocated: int, torch_peak: int, utilization: float,
-                           reserve: int = 0) -> int:
-    """KV pool bytes on a GPU, from memory readings taken after a profiling forward pass.
-
-    total, free: the device's memory (torch.cuda.mem_get_info) after the pass, torch's cache emptied;
-    torch_allocated: what torch holds now (the weights); torch_peak: the most it held during the pass
-    (the weights plus the largest step's activations); reserve: bytes kept back for later (CUDA graphs).
-    The process needs, besides the pool, (total − free) − torch_allocated + torch_peak: memory outside
-    torch's allocator (the CUDA context, NCCL; other processes too) plus weights and activations. The
-    pool gets what is left of total × utilization after that and the reserve (never below zero).
-    """
-    in_use = (total - free) - torch_allocated + torch_peak
-    return max(0, int(total * utilization) - in_use - reserve)
-
-
-def resolve_dtype(config: EngineConfig, model_cfg: ModelConfig, device: torch.device) -> torch.dtype:
-    """The compute dtype: as asked; else on GPU the checkpoint's, float32 ones in bfloat16 (float16 where the GPU
-    lacks it), as vLLM does: decode is memory-bound, half the bytes is twice the speed; float32 on CPU (half
-    is slow there)."""
-    name = config.dtype
-    if name == "auto":
-        name = model_cfg.torch_dtype if device.type == "cuda" else "float32"
-        if device.type == "cuda" and name == "float32":
-            bf16 = not torch.cuda.is_available() or torch.cuda.is_bf16_supported()
-            name = "bfloat16" if bf16 else "float16"
-    dtype = getattr(torch, name, None)
-    if not isinstance(dtype, torch.dtype):
-        raise ValueError(f"config.json torch_dtype={name!r} is not a torch dtype; pass dtype explicitly")
-    return dtype
-
-
-def rank_device(config: EngineConfig, rank: int) -> torch.device:
-    """The device of a tensor-parallel rank: one GPU each (counting from the configured one), or the CPU."""
-    want = torch.device(config.device if config.device != "auto" else
-                        ("cuda" if torch.cuda.is_available() else "cpu"))
-    if want.type != "cuda":
-        return want
-    index = (want.index or 0) + rank
-    if index >= torch.cuda.device_count():
-        raise ValueError(f"tensor_parallel_size={config.tensor_parallel_size} needs GPU {index} for rank {rank}, "
-                         f"but only {torch.cuda.device_count()} are visible: lower tensor_parallel_size")
-    return torch.device("cuda", index)
 
 
 class ModelRunner:
@@ -209,11 +88,8 @@ class ModelRunner:
             free, total = torch.cuda.mem_get_info(self.device)
             activations = (self.config.max_num_batched_tokens or 8192) * self.model_cfg.intermediate_size * 4 * 8
             return max(0, int(free - total * (1 - self.config.gpu_memory_utilization)) - activations)
-        total_ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-        # Never more than every sequence at full length could use: the pool is zero-filled up front
-        # (a masked slot holding NaN garbage would still poison softmax·V), and that costs page faults.
-        blocks_usable = self.config.max_num_seqs * -(-self.max_model_len // self.block_size) + 1
-        return min(DEFAULT_CPU_KV_BYTES, total_ram // 4 // self.tp.size, blocks_usable * self.bytes_per_block())
+        usable_blocks = self.config.max_num_seqs * -(-self.max_model_len // self.block_size) + 1
+        return cpu_kv_budget(self.tp.size, usable_blocks, self.bytes_per_block())
 
     def _profiled_kv_budget(self) -> int:
         """kv_budget_from_profile around profile_run; the weights are resident, the pool not yet allocated."""
@@ -276,7 +152,9 @@ class ModelRunner:
     def warmup(self) -> None:
         """Run the warm-up steps on this rank alone (a group of one)."""
         for step in warmup_steps(self.block_size):
-            self.execute(step)
+            batch, samplers = plan_batch(step.chunks, self.block_size)
+            self.execute(batch, samplers)
+            self.forget(step.finished)
 
     def wants_graphs(self) -> bool:
         """Whether decode steps should replay CUDA graphs: on a GPU, unless enforce_eager, with one rank.
@@ -301,20 +179,18 @@ class ModelRunner:
         log.info("captured CUDA graphs for decode batch sizes %s in %.1f s (%.0f MiB)", self.decode_graphs.sizes,
                  time.perf_counter() - start, (free_before - torch.cuda.mem_get_info(self.device)[0]) / 2**20)
 
-    @torch.inference_mode()
-    def execute(self, out: SchedulerOutput, publish: Callable[[StepBatch], None] | None = None
-                ) -> tuple[dict[str, int], dict[str, Logprob]]:
-        """Run one step; returns the sampled token (and logprobs if asked) of each sampling chunk.
+    def forget(self, request_ids: Iterable[str]) -> None:
+        """Drop the sampling state (seeded generators) of requests that finished."""
+        self.sampler.forget(request_ids)
 
-        `publish` hands the batch to the other ranks before this one runs it (they run the same
-        forward pass on their shards; the collectives inside keep the ranks in step).
+    @torch.inference_mode()
+    def execute(self, batch: StepBatch, samplers: list[ScheduledChunk]
+                ) -> tuple[dict[str, int], dict[str, Logprob]]:
+        """Run a step's batch and sample it (rank 0): the next token (and logprobs if asked) of each sampling chunk.
+
+        `samplers` are the chunks that sample, in the order of the batch's sample rows (plan_batch's second
+        result). Other ranks run `forward` alone on the same batch; the collectives inside keep them in step.
         """
-        self.sampler.forget(out.finished)
-        if not out.chunks:
-            return {}, {}
-        batch, samplers = plan_batch(out.chunks, self.block_size)
-        if publish is not None:
-            publish(batch)
         logits = self.forward(batch)
         if logits is None:
             return {}, {}
@@ -361,7 +237,7 @@ class ModelRunner:
         groups = []
         for start in range(0, len(positions), DECODE_GROUP):
             end = min(start + DECODE_GROUP, len(positions))
-            flat, valid = reference.decode_plan(tables[start:end], seq_lens[start:end], self.block_size,
+            flat, valid = decode_plan(tables[start:end], seq_lens[start:end], self.block_size,
                                                 int(positions[end - 1]) + 1)
             groups.append(DecodeGroup(start, end, flat, valid))
         return groups

@@ -27,13 +27,15 @@ from typing import Any
 import torch
 
 from kvfleet_agent.config import EngineConfig
-from kvfleet_agent.engine.model_runner import ModelRunner, StepBatch, rank_device, warmup_steps
-from kvfleet_agent.engine.scheduler import SchedulerOutput
+from kvfleet_agent.core.scheduler_output import SchedulerOutput
+from kvfleet_agent.layers import tp_group
+from kvfleet_agent.layers.tp_group import TPGroup, start_store
 from kvfleet_agent.models.config import ModelConfig
 from kvfleet_agent.outputs import Logprob
-from kvfleet_agent.parallel import group
-from kvfleet_agent.parallel.group import TPGroup, start_store
-from kvfleet_agent.parallel.worker import WorkerSpec, rank_stats, run_worker
+from kvfleet_agent.worker.device import rank_device
+from kvfleet_agent.worker.model_runner import ModelRunner
+from kvfleet_agent.worker.rank_worker import WorkerSpec, rank_stats, run_worker
+from kvfleet_agent.worker.step_batch import StepBatch, plan_batch, warmup_steps
 
 log = logging.getLogger(__name__)
 
@@ -112,13 +114,13 @@ class Executor:
             store = None
             if n > 1:
                 store = start_store(n, STARTUP_TIMEOUT_S)
-                self._spawn(config, model_cfg, max_model_len, store.port, group.COLLECTIVE_TIMEOUT_S)
+                self._spawn(config, model_cfg, max_model_len, store.port, tp_group.COLLECTIVE_TIMEOUT_S)
             # Rank 0 loads its shard while the workers load theirs.
             self.runner = ModelRunner(config, model_cfg, max_model_len, TPGroup(0, n))
             if store is not None:
                 self._gather("start-up", STARTUP_TIMEOUT_S)
                 self._send(("connect",))
-                self.runner.tp.connect(store, self.runner.device, group.COLLECTIVE_TIMEOUT_S)
+                self.runner.tp.connect(store, self.runner.device, tp_group.COLLECTIVE_TIMEOUT_S)
                 self._gather("connect", CALL_TIMEOUT_S)
                 # The thread holds no reference to the executor, so an engine dropped without
                 # shutdown() is still collected (and its finalizer stops the workers).
@@ -182,12 +184,20 @@ class Executor:
             self.execute(step)
 
     def execute(self, out: SchedulerOutput) -> tuple[dict[str, int], dict[str, Logprob]]:
-        """One step on every rank; rank 0 samples."""
+        """One step on every rank: plan its batch, send it to the workers, run it here; rank 0 samples.
+
+        The executor alone owns the step broadcast: the runner only runs the batch it is given.
+        """
         self.check()
+        self.runner.forget(out.finished)
+        if not out.chunks:
+            return {}, {}
+        batch, samplers = plan_batch(out.chunks, self.runner.block_size)
         if not self.workers:
-            return self.runner.execute(out)
+            return self.runner.execute(batch, samplers)
         try:
-            return self.runner.execute(out, self._publish)
+            self._publish(batch)  # before rank 0 runs it: the ranks run the same forward pass on their shards
+            return self.runner.execute(batch, samplers)
         except BaseException as e:
             # Whatever broke the step (a peer, a pipe, rank 0 itself, even Ctrl-C), the ranks may now
             # be at different collectives: running another step could pair them wrongly and return
@@ -214,6 +224,7 @@ class Executor:
                 w.conn.send_bytes(data)
 
     def _publish(self, batch: StepBatch) -> None:
+        """The step broadcast: every worker gets the batch rank 0 is about to run."""
         self._send(("step", batch))
 
     def _call(self, name: str, *args: Any) -> list[Any]:

@@ -17,7 +17,7 @@ from kernel_helpers import (
     triton_ops,
 )
 
-from kvfleet_kernels import reference
+from kvfleet_kernels import plan, reference
 
 pytest.importorskip("triton")
 
@@ -45,7 +45,7 @@ def check_decode(device: torch.device, dtype: torch.dtype, lengths: list[int], h
     out = torch.full(q.shape, POISON, dtype=dtype, device=device)
     ops = triton_ops("paged_attention")
     if planned:
-        flat, valid = reference.decode_plan(tables, seq_lens, bs)
+        flat, valid = plan.decode_plan(tables, seq_lens, bs)
         got = ops.planned_decode_attention(q, k_cache, v_cache, flat, valid, scale, out=out, num_splits=num_splits,
                                            block_n=block_n)
     else:
@@ -143,7 +143,7 @@ def check_empty_batches(device: torch.device) -> None:
     ops, kv, fused = triton_ops("paged_attention"), triton_ops("kv_write"), triton_ops("fused")
     q, none = torch.empty(0, 8, 64, device=device), torch.empty(0, dtype=torch.int64, device=device)
     assert ops.paged_decode_attention(q, k_cache, v_cache, tables[:0], none, 0.1).shape == (0, 8, 64)
-    flat, valid = reference.decode_plan(tables[:1], torch.tensor([5], device=device), 16)
+    flat, valid = plan.decode_plan(tables[:1], torch.tensor([5], device=device), 16)
     assert ops.planned_decode_attention(q, k_cache, v_cache, flat[:0], valid[:0], 0.1).shape == (0, 8, 64)
     assert ops.paged_prefill_attention(q, k_cache, v_cache, tables[0], 5, 0.1).shape == (0, 8, 64)
     before = k_cache.clone()

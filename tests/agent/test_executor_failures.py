@@ -16,8 +16,8 @@ from loader_helpers import copy_of
 from safetensors.torch import load_file, save_file
 
 from kvfleet_agent import LLM, SamplingParams
-from kvfleet_agent.parallel import group
-from kvfleet_agent.parallel.executor import RankError
+from kvfleet_agent.layers import tp_group as group
+from kvfleet_agent.worker.executor import RankError
 
 OPTIONS = {"kv_cache_memory_bytes": 2 << 20, "tensor_parallel_size": 2}
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)

@@ -3,17 +3,13 @@
 from __future__ import annotations
 
 import bisect
-from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
-import numpy as np
 import torch
 from torch import nn
 
 from kvfleet_agent.layers.attention import AttentionMetadata
-
-if TYPE_CHECKING:  # model_runner imports this module; the batch type is only named here
-    from kvfleet_agent.engine.model_runner import StepBatch
+from kvfleet_agent.worker.device import host_buffer
+from kvfleet_agent.worker.step_batch import StepBatch
 
 MAX_CAPTURE_SIZE = 256  # as vLLM: larger decode batches are compute-bound, launch overhead no longer matters
 WARMUP_RUNS = 2  # eager runs per size before its capture: Triton compiles and loads its kernels then, not inside
@@ -29,33 +25,6 @@ def capture_sizes(max_num_seqs: int) -> list[int]:
         if size >= limit:
             break
     return sizes
-
-
-def host_buffer(n: int, device: torch.device) -> torch.Tensor:
-    """An int64 host tensor of n elements for staging step metadata bound for `device`.
-
-    Pinned when the device is a GPU, so that its copy runs asynchronously (non_blocking). It comes
-    from torch's caching host allocator, which hands a block out again only once the copies that read
-    it have finished: a fresh buffer per step is cheap and needs no event bookkeeping of our own.
-    """
-    return torch.empty(n, dtype=torch.int64, pin_memory=device.type == "cuda")
-
-
-def to_device(arrays: Sequence[np.ndarray], device: torch.device) -> list[torch.Tensor]:
-    """The arrays as tensors on `device`: views of the numpy memory on CPU (no copy, as before), one
-    pinned buffer and one asynchronous copy for all of them on a GPU (int64: every array here is an
-    index)."""
-    if device.type != "cuda":
-        return [torch.from_numpy(a) for a in arrays]
-    sizes = [a.size for a in arrays]
-    host = host_buffer(sum(sizes), device)
-    flat = host.numpy()
-    offset = 0
-    for a, n in zip(arrays, sizes, strict=True):
-        flat[offset:offset + n] = a.reshape(-1)
-        offset += n
-    staged = host.to(device, non_blocking=True)
-    return [t.view(a.shape) for t, a in zip(torch.split(staged, sizes), arrays, strict=True)]
 
 
 class DecodeGraphRunner:

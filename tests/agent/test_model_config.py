@@ -11,9 +11,9 @@ import torch
 from loader_helpers import DELETE, copy_of, edit_config, read_config
 
 from kvfleet_agent import LLM, EngineConfig
-from kvfleet_agent.engine.model_runner import resolve_dtype
 from kvfleet_agent.models.config import SUPPORTED_ARCHITECTURES, ModelConfig
 from kvfleet_agent.models.tiny import ARCHS
+from kvfleet_agent.worker.device import resolve_dtype
 
 # ---------------------------------------------------------------------------------------------
 # config.json

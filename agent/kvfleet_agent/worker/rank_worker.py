@@ -14,9 +14,9 @@ from multiprocessing.connection import Connection
 from typing import Any, NoReturn
 
 from kvfleet_agent.config import EngineConfig
-from kvfleet_agent.engine.model_runner import ModelRunner
+from kvfleet_agent.layers.tp_group import TPGroup, join_store
 from kvfleet_agent.models.config import ModelConfig
-from kvfleet_agent.parallel.group import TPGroup, join_store
+from kvfleet_agent.worker.model_runner import ModelRunner
 
 log = logging.getLogger(__name__)
 

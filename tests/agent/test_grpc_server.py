@@ -19,8 +19,8 @@ from typing import Any
 import grpc
 import pytest
 
+from kvfleet_agent.core.request import Request, RequestStatus
 from kvfleet_agent.engine.async_llm import AsyncLLM
-from kvfleet_agent.engine.request import Request, RequestStatus
 from kvfleet_agent.llm import LLM
 from kvfleet_agent.sampling_params import MAX_STOP_STRINGS, SamplingParams
 from kvfleet_agent.server import kvfleet_pb2 as pb

@@ -1,0 +1,29 @@
+"""The scheduler's output: a step's plan as plain data (which tokens of which requests), handed to the executor."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from kvfleet_agent.sampling_params import SamplingParams
+
+
+@dataclass(slots=True)
+class ScheduledChunk:
+    """One request's share of a step: compute KV for token_ids at positions start_pos onwards."""
+
+    request_id: str
+    token_ids: list[int]
+    start_pos: int
+    block_table: list[int]
+    sample: bool  # the chunk reaches the last known token, so the step yields a new token
+    sampling_params: SamplingParams
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    """A step's plan, as plain data for the model runner."""
+
+    chunks: list[ScheduledChunk]
+    num_batched_tokens: int
+    preempted: list[str] = field(default_factory=list)
+    finished: list[str] = field(default_factory=list)  # finished since the last step: drop their state

@@ -1,0 +1,88 @@
+"""A step's batch: the scheduler's chunks flattened into numpy arrays, and the synthetic steps (warm-up, profile)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from kvfleet_agent.core.scheduler_output import ScheduledChunk, SchedulerOutput
+from kvfleet_agent.sampling_params import SamplingParams
+
+
+@dataclass(slots=True)
+class StepBatch:
+    """A step's chunks flattened into one token batch (decodes first, sorted by length), as numpy arrays.
+
+    Plain data on purpose: rank 0 builds it once from the scheduler's output and sends it to the
+    other ranks, which only copy it to their device. Sampling parameters stay on rank 0.
+    """
+
+    input_ids: np.ndarray  # [T]
+    positions: np.ndarray  # [T]
+    slot_mapping: np.ndarray  # [T] where each token's K/V goes in the paged pool
+    decode_tables: np.ndarray  # [num_decodes, width] block tables of the decode rows
+    prefills: list[tuple[int, int, int, np.ndarray]]  # (query_start, query_len, context_start, block table)
+    sample_rows: np.ndarray  # [S] rows whose hidden state yields a next token
+
+
+def plan_batch(chunks: list[ScheduledChunk], block_size: int) -> tuple[StepBatch, list[ScheduledChunk]]:
+    """The step's batch, and the chunks that sample (in the order of the batch's sample rows)."""
+    bs = block_size
+    decodes = sorted((c for c in chunks if len(c.token_ids) == 1), key=lambda c: c.start_pos)
+    prefills = [c for c in chunks if len(c.token_ids) > 1]
+    nd = len(decodes)
+    # Decodes: one token each, vectorised over the batch.
+    d_pos = np.fromiter((c.start_pos for c in decodes), dtype=np.int64, count=nd)
+    width = max((len(c.block_table) for c in decodes), default=1)
+    tables = np.zeros((nd, width), dtype=np.int64)
+    for i, c in enumerate(decodes):
+        tables[i, :len(c.block_table)] = c.block_table
+    d_slots = tables[np.arange(nd), d_pos // bs] * bs + d_pos % bs
+    ids: list[int] = [c.token_ids[0] for c in decodes]
+    pos_parts, slot_parts = [d_pos], [d_slots]
+    spans: list[tuple[int, int, int, np.ndarray]] = []
+    sample_rows = [i for i, c in enumerate(decodes) if c.sample]
+    start = nd
+    for c in prefills:
+        n = len(c.token_ids)
+        table = np.asarray(c.block_table, dtype=np.int64)
+        pos = np.arange(c.start_pos, c.start_pos + n, dtype=np.int64)
+        ids += c.token_ids
+        pos_parts.append(pos)
+        slot_parts.append(table[pos // bs] * bs + pos % bs)
+        spans.append((start, n, c.start_pos, table))
+        if c.sample:
+            sample_rows.append(start + n - 1)
+        start += n
+    batch = StepBatch(np.asarray(ids, dtype=np.int64), np.concatenate(pos_parts), np.concatenate(slot_parts),
+                      tables, spans, np.asarray(sample_rows, dtype=np.int64))
+    return batch, [c for c in decodes if c.sample] + [c for c in prefills if c.sample]
+
+
+def warmup_steps(block_size: int) -> list[SchedulerOutput]:
+    """One throwaway prefill and decode, so the first real request does not pay for lazy init.
+
+    They write K/V into block 0, which is harmless: no block is read before its owner writes it.
+    """
+    params = SamplingParams(max_tokens=1, temperature=0.0)
+    n = min(block_size, 8)
+    prefill = ScheduledChunk("warmup", [0] * n, 0, [0], True, params)
+    decode = ScheduledChunk("warmup-decode", [0], n - 1, [0], True, params)
+    return [SchedulerOutput([prefill], n), SchedulerOutput([decode], 1, finished=["warmup", "warmup-decode"])]
+
+
+def profile_batch(num_tokens: int, max_num_seqs: int, max_model_len: int) -> StepBatch:
+    """The largest step the scheduler can send, as dummy prompts: num_tokens tokens over up to
+    max_num_seqs sequences (none longer than max_model_len), each sampling once. Every slot is -1, so
+    running it writes nothing into the KV pool; from position 0, its attention reads no cache either."""
+    seqs = min(max_num_seqs, num_tokens)
+    lens = np.full(seqs, num_tokens // seqs, dtype=np.int64)
+    lens[:num_tokens % seqs] += 1
+    lens = np.minimum(lens, max_model_len)
+    starts = np.concatenate(([0], np.cumsum(lens)[:-1]))
+    total = int(lens.sum())
+    spans = [(int(s), int(n), 0, np.zeros(1, dtype=np.int64)) for s, n in zip(starts, lens, strict=True)]
+    return StepBatch(np.zeros(total, dtype=np.int64), np.concatenate([np.arange(n) for n in lens]),
+                     np.full(total, -1, dtype=np.int64), np.zeros((0, 1), dtype=np.int64), spans,
+                     (starts + lens - 1).astype(np.int64))
