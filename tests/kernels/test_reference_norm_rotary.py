@@ -10,7 +10,7 @@ import torch
 from kernel_helpers import HEADS, assert_close_at, gen
 
 from kvfleet_agent.layers.norm import RMSNorm
-from kvfleet_agent.layers.rotary import SUPPORTED_ROPE_TYPES, RotaryEmbedding, inverse_frequencies
+from kvfleet_agent.layers.rotary import SUPPORTED_ROPE_TYPES, RotaryEmbedding, attention_scaling, inverse_frequencies
 from kvfleet_kernels import reference
 
 transformers = pytest.importorskip("transformers")
@@ -100,6 +100,13 @@ ROPE_CASES: list[tuple[int, float, dict[str, Any] | None]] = [
     (16, 500000.0, LLAMA3_SMALL),
     (128, 500000.0, LLAMA3_REAL),
     (64, 10000.0, LLAMA3_OTHER),
+    (64, 1e6, {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128}),
+    (32, 10000.0, {"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 64, "beta_fast": 16,
+                   "beta_slow": 2, "truncate": False}),
+    (64, 10000.0, {"rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": 256,
+                   "attention_factor": 1.25}),
+    (64, 10000.0, {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128, "mscale": 1.0,
+                   "mscale_all_dim": 0.707}),
 ]
 
 
@@ -111,22 +118,24 @@ def hf_config(head_dim: int, theta: float, scaling: dict[str, Any] | None, max_p
                        head_dim=head_dim, max_position_embeddings=max_pos, rope_parameters=params)
 
 
-def hf_inverse_frequencies(config: Any) -> torch.Tensor:
+def hf_inverse_frequencies(config: Any) -> tuple[torch.Tensor, float]:
+    """transformers' inverse frequencies and attention scaling (not 1 for YaRN only)."""
     kind = config.rope_parameters["rope_type"]
     if kind == "default":
         inv, factor = LlamaRotaryEmbedding.compute_default_rope_parameters(config)
     else:
         inv, factor = ROPE_INIT_FUNCTIONS[kind](config, "cpu")
-    assert factor == 1.0  # no attention scaling for these rope types
-    return inv
+    return inv, float(factor)
 
 
 @pytest.mark.parametrize(("head_dim", "theta", "scaling"), ROPE_CASES)
 def test_inverse_frequencies_match_transformers(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> None:
     got = inverse_frequencies(head_dim, theta, scaling)
-    want = hf_inverse_frequencies(hf_config(head_dim, theta, scaling))
+    want, factor = hf_inverse_frequencies(hf_config(head_dim, theta, scaling))
     assert got.shape == (head_dim // 2,)
     torch.testing.assert_close(got, want.float(), atol=0, rtol=1e-6)
+    assert attention_scaling(scaling) == pytest.approx(factor, rel=1e-12)
+    assert (factor != 1.0) == (scaling is not None and scaling.get("rope_type") == "yarn")
 
 
 LLAMA3_CASES = [c for c in ROPE_CASES if c[2] and c[2].get("rope_type") == "llama3"]
@@ -183,7 +192,7 @@ def test_rotary_matches_transformers_apply_rotary_pos_emb(h: int, kvh: int, dtyp
     assert not torch.allclose(q_out[moved].float(), q[moved].float(), atol=1e-2)
 
 
-@pytest.mark.parametrize("kind", ["yarn", "dynamic", "longrope", "su", "made-up"])
+@pytest.mark.parametrize("kind", ["dynamic", "longrope", "su", "made-up"])
 def test_unsupported_rope_types_raise(kind: str) -> None:
     scaling = {"rope_type": kind, "factor": 4.0, "original_max_position_embeddings": 64}
     for call in (lambda: inverse_frequencies(16, 10000.0, scaling),

@@ -8,7 +8,11 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+from kvfleet_agent.models.config_schema import refuse_unsupported, rope_settings, sliding_window
+
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+_BY_MODEL_TYPE = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                  "qwen3": "Qwen3ForCausalLM"}
 
 
 def read_json(path: str) -> dict[str, Any]:
@@ -27,7 +31,7 @@ def read_json(path: str) -> dict[str, Any]:
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """Shapes and options of a Llama-family decoder (Llama 2/3, Mistral, Qwen2)."""
+    """Shapes and options of a Llama-family decoder (Llama 2/3, Mistral, Qwen2, Qwen3)."""
 
     architecture: str
     vocab_size: int
@@ -40,12 +44,13 @@ class ModelConfig:
     max_position_embeddings: int
     rms_norm_eps: float
     rope_theta: float
-    rope_scaling: dict[str, Any] | None
+    rope_scaling: dict[str, Any] | None  # rope_type and its parameters, whichever schema config.json used
     qkv_bias: bool
     o_bias: bool
     mlp_bias: bool
+    qk_norm: bool  # Qwen3: RMSNorm over each query and key head before rotary
     tie_word_embeddings: bool
-    sliding_window: int | None
+    sliding_window: int | None  # the smallest window of any sliding-attention layer
     torch_dtype: str
     eos_token_ids: tuple[int, ...]
 
@@ -71,11 +76,11 @@ class ModelConfig:
         path = os.path.join(model_dir, "config.json")
         c = read_json(path)
         archs = c.get("architectures") or []
-        arch = archs[0] if archs else {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
-                                        "qwen2": "Qwen2ForCausalLM"}.get(c.get("model_type", ""), "")
+        arch = archs[0] if archs else _BY_MODEL_TYPE.get(c.get("model_type", ""), "")
         if arch not in SUPPORTED_ARCHITECTURES:
             raise ValueError(f"{path}: architectures={archs or c.get('model_type')!r} is not supported; "
                              f"kvfleet runs {', '.join(SUPPORTED_ARCHITECTURES)}")
+        refuse_unsupported(c, path)
 
         def need(key: str) -> Any:
             if key not in c:
@@ -85,32 +90,38 @@ class ModelConfig:
         heads = int(need("num_attention_heads"))
         hidden = int(need("hidden_size"))
         kv_heads = int(c.get("num_key_value_heads") or heads)
+        layers = int(need("num_hidden_layers"))
         for key, value in (("num_attention_heads", heads), ("hidden_size", hidden), ("num_key_value_heads", kv_heads)):
             if value < 1:
                 raise ValueError(f"{path}: {key}={value} must be a positive integer")
         if heads % kv_heads:
             raise ValueError(f"{path}: num_attention_heads={heads} is not a multiple of num_key_value_heads={kv_heads}")
-        qwen = arch == "Qwen2ForCausalLM"
-        window = c.get("sliding_window") if (not qwen or c.get("use_sliding_window")) else None
+        max_pos = int(c.get("max_position_embeddings", 2048))
+        theta, scaling = rope_settings(c, path, max_pos)
+        # Biases as each architecture's transformers code builds them, whatever else config.json says.
+        attention_bias = bool(c.get("attention_bias", False))
+        qkv_bias, o_bias = {"Qwen2ForCausalLM": (True, False), "MistralForCausalLM": (False, False)}.get(
+            arch, (attention_bias, attention_bias))
         eos = c.get("eos_token_id")
         return cls(
             architecture=arch,
             vocab_size=int(need("vocab_size")),
             hidden_size=hidden,
             intermediate_size=int(need("intermediate_size")),
-            num_layers=int(need("num_hidden_layers")),
+            num_layers=layers,
             num_heads=heads,
             num_kv_heads=kv_heads,
             head_dim=int(c.get("head_dim") or hidden // heads),
-            max_position_embeddings=int(c.get("max_position_embeddings", 2048)),
+            max_position_embeddings=max_pos,
             rms_norm_eps=float(c.get("rms_norm_eps", 1e-6)),
-            rope_theta=float(c.get("rope_theta", 10000.0)),
-            rope_scaling=c.get("rope_scaling"),
-            qkv_bias=qwen or bool(c.get("attention_bias", False)),
-            o_bias=not qwen and bool(c.get("attention_bias", False)),
-            mlp_bias=bool(c.get("mlp_bias", False)),
+            rope_theta=theta,
+            rope_scaling=scaling,
+            qkv_bias=qkv_bias,
+            o_bias=o_bias,
+            mlp_bias=arch == "LlamaForCausalLM" and bool(c.get("mlp_bias", False)),
+            qk_norm=arch == "Qwen3ForCausalLM",
             tie_word_embeddings=bool(c.get("tie_word_embeddings", False)),
-            sliding_window=int(window) if window else None,
+            sliding_window=sliding_window(c, arch, layers, path),
             torch_dtype=str(c.get("torch_dtype") or c.get("dtype") or "float32"),
             eos_token_ids=tuple(eos if isinstance(eos, list) else [] if eos is None else [eos]),
         )

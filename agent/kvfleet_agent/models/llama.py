@@ -1,4 +1,4 @@
-"""The Llama-family decoder (Llama 2/3, Mistral, Qwen2): plain model code over parallel layers."""
+"""The Llama-family decoder (Llama 2/3, Mistral, Qwen2, Qwen3): plain model code over parallel layers."""
 
 from __future__ import annotations
 
@@ -30,13 +30,21 @@ class LlamaAttention(nn.Module):
                                           cfg.qkv_bias, tp)
         self.o_proj = RowParallelLinear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, cfg.o_bias, tp)
         self.rope = rope
+        # Qwen3: each query and key head is RMS-normalised (one weight over head_dim) before rotary.
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.attn = PagedAttention(self.num_heads, self.num_kv_heads, cfg.head_dim)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         t, h, kvh = x.shape[0], self.num_heads, self.num_kv_heads
         qkv = self.qkv_proj(x)
         # q and k sit side by side in the packed output: rotate them in one pass.
-        qk = self.rope(positions, qkv[:, :self.q_size + self.kv_size].view(t, h + kvh, self.head_dim))
+        qk = qkv[:, :self.q_size + self.kv_size].view(t, h + kvh, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            q = self.q_norm(qk[:, :h].reshape(t * h, self.head_dim))[0]
+            k = self.k_norm(qk[:, h:].reshape(t * kvh, self.head_dim))[0]
+            qk = torch.cat((q.view(t, h, self.head_dim), k.view(t, kvh, self.head_dim)), dim=1)
+        qk = self.rope(positions, qk)
         v = qkv[:, self.q_size + self.kv_size:].view(t, kvh, self.head_dim)
         out = self.attn(qk[:, :h], qk[:, h:], v, meta)
         return self.o_proj(out.view(t, self.q_size))  # type: ignore[no-any-return]
