@@ -3,7 +3,10 @@ restart and garbage collection, with real agents behind the pods (process kubele
 
 from __future__ import annotations
 
+import json
+import time
 import uuid
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +23,8 @@ from operator_proc import (
     owned,
     wait_ready,
 )
+
+RESYNC_S = 3  # the peering test's resync period
 
 INVALID: list[tuple[str, dict[str, Any], str]] = [
     ("two model sources", {"model": {"name": "m", "source": {"hostPath": {"path": "/m"}, "pvc": {"claimName": "c"}}}},
@@ -76,6 +81,8 @@ def test_lifecycle_of_an_inference_deployment(cluster: LocalCluster, operator: O
     apply_cr(cluster, inference_deployment(name, namespace, tiny_model, autoscaling={"mode": "external",
                                                                                       "maxReplicas": 3}))
     cr = wait_ready(cluster, namespace, name, 1)
+    # No finalizer of kopf's (a daemon or timer would add one): deletable while the operator is down.
+    assert not cr["metadata"].get("finalizers"), cr["metadata"]
     objs = owned(cluster, namespace, name)
     assert [len(objs[k]) for k in ("deployments", "services", "poddisruptionbudgets")] == [1, 1, 1], objs
     for items in objs.values():
@@ -143,3 +150,46 @@ def test_operator_service_account_is_least_privilege(cluster: LocalCluster, oper
     assert not can("create", "secrets", "-n", "default")
     assert not can("delete", "nodes")
     assert not can("create", "clusterrolebindings")
+
+
+def test_the_loops_beside_kopf_pause_while_another_instance_leads(cluster: LocalCluster, operator: Operator,
+                                                                   namespace: str, tiny_model: Path) -> None:
+    """With peering, a live peer of a higher priority in the peering object (what `kopf freeze` or a dev-mode
+    operator writes) pauses kopf's handlers and our resync alike; once it is gone, the resync heals the drift."""
+    name, peering = "peer", "clusterkopfpeering/kvfleet"
+
+    def deployment_replicas() -> int:
+        return int(cluster.kubectl_json("get", "deployment", name, "-n", namespace)["spec"]["replicas"])
+
+    def freeze(entry: dict[str, Any] | None) -> None:
+        cluster.kubectl("patch", peering, "--type=merge", "-p", json.dumps({"status": {"e2e-freeze": entry}}))
+
+    def logged(text: str) -> bool:
+        return operator.proc is not None and text in operator.proc.log.read_text(errors="replace")
+
+    operator.stop()
+    operator.extra_env = {"KVFLEET_PEERING": "kvfleet", "KVFLEET_RESYNC_SECONDS": str(RESYNC_S)}
+    operator.start()
+    try:
+        # kopf keeps alive under the identity we gave it: the loops find their own entry by it.
+        wait_for("our identity in the peering object", lambda: any(
+            peer.startswith("kvfleet-operator@")
+            for peer in (cluster.kubectl_json("get", peering).get("status") or {})), timeout=30)
+        apply_cr(cluster, inference_deployment(name, namespace, tiny_model))
+        wait_for("the Deployment created", lambda: owned(cluster, namespace, name)["deployments"], timeout=30)
+
+        freeze({"priority": 1000, "lifetime": 600, "lastseen": datetime.now(UTC).isoformat()})
+        wait_for("the loops paused", lambda: logged("peering kvfleet: paused"), timeout=30)
+        cluster.kubectl("scale", "deployment", name, "-n", namespace, "--replicas=2")  # drift nobody reconciles
+        until = time.monotonic() + 3 * RESYNC_S
+        while time.monotonic() < until:
+            assert deployment_replicas() == 2, "reconciled while another instance leads"
+            time.sleep(0.5)  # sampling the replica count while resync periods pass
+
+        freeze(None)
+        wait_for("the drift healed once leading again", lambda: deployment_replicas() == 1, timeout=30)
+    finally:
+        freeze(None)
+        operator.stop()
+        operator.extra_env = {}
+        operator.start()

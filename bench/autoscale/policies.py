@@ -7,7 +7,7 @@ from collections import deque
 
 from simulator import Fleet
 
-from kvfleet_operator.autoscaler import (
+from kvfleet_operator.autoscaling.decide import (
     AutoscalerState,
     AutoscalingPolicy,
     Behavior,
@@ -21,11 +21,11 @@ from kvfleet_operator.autoscaler import (
     rate_limit,
     stabilize,
 )
-from kvfleet_operator.scrape import MetricsWindow
+from kvfleet_operator.autoscaling.scrape import MetricsWindow
 
 
 class Kvfleet:
-    """kvfleet_operator.autoscaler.decide() fed through MetricsWindow, as the operator's timer would do."""
+    """kvfleet_operator.autoscaling.decide.decide() fed through MetricsWindow, as the operator's timer would do."""
 
     def __init__(self, policy: AutoscalingPolicy, interval: float = 15.0, window_s: float = 60.0) -> None:
         self.name, self.interval, self.policy = "kvfleet", interval, policy

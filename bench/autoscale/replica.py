@@ -8,7 +8,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from kvfleet_contract import metrics as contract
-from kvfleet_operator.scrape import HISTOGRAMS, Histogram, Snapshot
+from kvfleet_operator.autoscaling.scrape import HISTOGRAMS, Histogram, Snapshot
 
 EPS = 1e-6  # tokens: far above float error at simulated times of hours, far below one token
 

@@ -18,7 +18,7 @@ from scoring import Score, combine, plot, rolling_p95, score, table
 from simulator import Autoscaler, Fleet, RunResult, simulate
 from workload import RequestMix, Trace, traces
 
-from kvfleet_operator.autoscaler import AutoscalingPolicy, LatencyTarget
+from kvfleet_operator.autoscaling.decide import AutoscalingPolicy, LatencyTarget
 
 
 @dataclass(frozen=True)

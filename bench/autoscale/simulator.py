@@ -11,7 +11,7 @@ from typing import Protocol, cast
 from replica import Replica, ReplicaModel, Request
 from workload import RequestMix, Trace, arrivals
 
-from kvfleet_operator.scrape import Snapshot
+from kvfleet_operator.autoscaling.scrape import Snapshot
 
 
 class Fleet:

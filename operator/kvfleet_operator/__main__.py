@@ -6,11 +6,14 @@ import asyncio
 import logging
 import sys
 from collections.abc import Sequence
+from typing import Any, cast
 
 import kopf
 
 from kvfleet_operator import handlers, metrics
 from kvfleet_operator.config import OperatorConfig
+from kvfleet_operator.kube import Kube, default_login
+from kvfleet_operator.state import OperatorState
 
 log = logging.getLogger("kvfleet_operator")
 
@@ -23,19 +26,25 @@ async def run(cfg: OperatorConfig) -> None:
     def healthy() -> bool:
         return ready.is_set() and not stop.is_set() and task is not None and not task.done()
 
+    settings = cfg.settings()
+    state = OperatorState(cfg, Kube(lambda: default_login(settings)))
+    memo = kopf.Memo()
+    state.attach(memo)
     runner, port = await metrics.serve(cfg.port, healthy)
     log.info(f"kvfleet operator: health and metrics on port {port}; namespaces: "
-             f"{', '.join(cfg.namespaces) or 'all'}; peering: {cfg.peering or 'standalone'}")
+             f"{', '.join(cfg.namespaces) or 'all'}; peering: {cfg.peering or 'standalone'} as {state.identity}")
     try:
         await kopf.operator(
             registry=kopf.get_default_registry(),  # handlers.py registered itself on import
-            settings=cfg.settings(),
-            memo=kopf.Memo(cfg=cfg),
+            settings=settings,
+            memo=memo,
             clusterwide=cfg.clusterwide,
             namespaces=cfg.namespaces,
             standalone=not cfg.peering,
             peering_name=cfg.peering or None,
             priority=cfg.peering_priority,
+            # Ours, not one kopf makes up: the loops beside kopf tell our entry in the peering object by it.
+            identity=cast(Any, state.identity),  # kopf types it as a NewType of str it does not export
             ready_flag=ready,
             stop_flag=stop,
         )

@@ -26,8 +26,9 @@ STARTUP_PERIOD_SECONDS, STARTUP_FAILURES = 10, 360  # model loads may take up to
 
 
 @dataclass
-class Plan:
-    """What one reconcile writes: objects to server-side apply, and owned objects to delete (kind, name)."""
+class Desired:
+    """What the spec wants: objects to server-side apply, and owned objects to delete (kind, name); plan.py then
+    decides, with the live objects, which of these may be written."""
 
     apply: list[Manifest] = field(default_factory=list)
     delete: list[tuple[str, str, str]] = field(default_factory=list)  # (apiVersion, kind, name)
@@ -242,9 +243,9 @@ def args_config_map(cr: InferenceDeployment) -> Manifest:
             "data": {ARGS_FILE_KEY: _args_file_text(cr.spec)}}
 
 
-def plan(cr: InferenceDeployment, default_image: str, replicas: int) -> Plan:
+def plan(cr: InferenceDeployment, default_image: str, replicas: int) -> Desired:
     """Everything one reconcile applies or removes, in apply order (the ConfigMap before the pods that mount it)."""
-    out = Plan()
+    out = Desired()
     if _uses_args_file(cr.spec):
         out.apply.append(args_config_map(cr))
     else:
@@ -259,7 +260,7 @@ def replicas_for(spec: InferenceDeploymentSpec, current: int | None) -> int:
     off/external: spec.replicas, which an HPA or KEDA may drive through the scale subresource.
     builtin: the autoscaler owns the number. The reconcile keeps the live value (minReplicas on creation),
     clamped to [minReplicas, maxReplicas] so an edited bound takes effect at once.
-    The builtin autoscaler (autoscaling_loop.py) applies its decision through reconcile.apply_desired(), the
+    The builtin autoscaler (autoscaling/loop.py) applies its decision through reconcile.apply_desired(), the
     same full plan with `replicas` set to the decision; this function must never undo that, so it only keeps
     and clamps.
     """

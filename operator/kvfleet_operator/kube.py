@@ -7,7 +7,7 @@ import contextlib
 import json
 import logging
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 import aiohttp
 import kopf
@@ -19,6 +19,7 @@ FIELD_MANAGER = "kvfleet-operator"
 # The builtin autoscaler's field manager for status.autoscaling and its conditions: under server-side apply, each
 # manager's status write keeps the other's fields, and an empty apply by one removes exactly what it owned.
 AUTOSCALER_MANAGER = "kvfleet-autoscaler"
+PEERING_KIND = "ClusterKopfPeering"  # kopf's cluster-wide peering object (read by peering.py)
 # kind → (API path prefix, plural) for every kind the operator reads or writes.
 _KINDS: dict[str, tuple[str, str]] = {
     "Deployment": ("/apis/apps/v1", "deployments"),
@@ -27,7 +28,9 @@ _KINDS: dict[str, tuple[str, str]] = {
     "PodDisruptionBudget": ("/apis/policy/v1", "poddisruptionbudgets"),
     "Pod": ("/api/v1", "pods"),
     KIND: (f"/apis/{GROUP}/{VERSION}", PLURAL),
+    PEERING_KIND: ("/apis/kopf.dev/v1", "clusterkopfpeerings"),
 }
+_CLUSTER_SCOPED = frozenset({PEERING_KIND})
 # 400 and 422: the request itself is wrong (bad body, invalid object), so only a changed spec helps; 405 and 415
 # mean this client speaks an API the server lacks. Everything else (403 while RBAC propagates, 404 or 409 around a
 # terminating namespace or a racing writer, 429, 5xx) can heal by itself and is retried with back-off.
@@ -48,9 +51,10 @@ class ApiError(Exception):
 
 
 def path(kind: str, namespace: str, name: str | None = None, subresource: str | None = None) -> str:
-    """The REST path of a namespaced object, or of its collection when name is None."""
+    """The REST path of an object, or of its collection when name is None (`namespace` is ignored for a
+    cluster-scoped kind)."""
     prefix, plural = _KINDS[kind]
-    out = f"{prefix}/namespaces/{namespace}/{plural}"
+    out = f"{prefix}/{plural}" if kind in _CLUSTER_SCOPED else f"{prefix}/namespaces/{namespace}/{plural}"
     return out + (f"/{name}" if name else "") + (f"/{subresource}" if subresource else "")
 
 
@@ -61,6 +65,21 @@ def default_login(settings: kopf.OperatorSettings) -> kopf.ConnectionInfo:
         if info is not None:
             return info
     raise kopf.LoginError("no service account token and no kubeconfig: cannot reach the Kubernetes API")
+
+
+class KubeClient(Protocol):
+    """What the reconcile and the loops call; Kube implements it, and unit tests substitute an in-memory API."""
+
+    async def get(self, kind: str, namespace: str, name: str) -> dict[str, Any] | None: ...
+
+    async def list(self, kind: str, namespace: str, label_selector: str) -> list[dict[str, Any]]: ...
+
+    async def apply(self, obj: dict[str, Any], *, subresource: str | None = None,
+                    manager: str = FIELD_MANAGER) -> dict[str, Any]: ...
+
+    async def delete(self, kind: str, namespace: str, name: str, *, uid: str | None = None) -> bool: ...
+
+    async def close(self) -> None: ...
 
 
 class Kube:

@@ -27,6 +27,8 @@ class FakeKube:
         self.fail: dict[str, ApiError] = {}
         self.broken: BaseException | None = None
         self.deleted: list[tuple[str, str]] = []
+        self.reads: list[tuple[str, str]] = []  # (kind, name) of every get
+        self.closed = False
         self._owners: dict[Key, dict[str, set[Any]]] = {}
 
     def add(self, obj: dict[str, Any]) -> dict[str, Any]:
@@ -45,6 +47,7 @@ class FakeKube:
 
     async def get(self, kind: str, namespace: str, name: str) -> dict[str, Any] | None:
         self._check()
+        self.reads.append((kind, name))
         obj = self.objects.get((kind, namespace, name))
         return copy.deepcopy(obj) if obj else None
 
@@ -100,3 +103,6 @@ class FakeKube:
         self.deleted.append((kind, name))
         self.writes.append(("delete", kind, None, ""))
         return self.objects.pop((kind, namespace, name), None) is not None
+
+    async def close(self) -> None:
+        self.closed = True

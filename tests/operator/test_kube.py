@@ -48,6 +48,7 @@ def test_paths() -> None:
     assert path("InferenceDeployment", "ns", "x", "status") == (
         "/apis/serving.kvfleet.dev/v1alpha1/namespaces/ns/inferencedeployments/x/status")
     assert path("PodDisruptionBudget", "ns") == "/apis/policy/v1/namespaces/ns/poddisruptionbudgets"
+    assert path("ClusterKopfPeering", "") == "/apis/kopf.dev/v1/clusterkopfpeerings"  # cluster-scoped
 
 
 def test_apply_is_server_side_apply_with_our_field_manager() -> None:

@@ -73,15 +73,17 @@ def _allowed(group: str, resource: str, verb: str) -> bool:
 
 
 # What the operator does with each kind kube.py knows (get: ownership checks and reads; create + patch:
-# server-side apply; list + watch: kopf's watches; delete: only the args ConfigMap; pods: the autoscaler lists).
+# server-side apply; list + watch: kopf's watches; delete: only the args ConfigMap; pods: the autoscaler lists;
+# peering objects: kopf watches and patches them, peering.py lists them).
 CALLS = {"Deployment": {"get", "list", "watch", "create", "patch"}, "Service": {"get", "create", "patch"},
          "PodDisruptionBudget": {"get", "create", "patch"}, "ConfigMap": {"get", "create", "patch", "delete"},
-         "Pod": {"list"}, "InferenceDeployment": {"get", "list", "watch", "patch"}}
+         "Pod": {"list"}, "InferenceDeployment": {"get", "list", "watch", "patch"},
+         "ClusterKopfPeering": {"list", "watch", "patch"}}
 
 
 def test_rbac_covers_every_call_and_no_more() -> None:
     groups = {"/api/v1": "", "/apis/apps/v1": "apps", "/apis/policy/v1": "policy",
-              "/apis/serving.kvfleet.dev/v1alpha1": "serving.kvfleet.dev"}
+              "/apis/serving.kvfleet.dev/v1alpha1": "serving.kvfleet.dev", "/apis/kopf.dev/v1": "kopf.dev"}
     assert set(kube._KINDS) == set(CALLS)
     for kind, (prefix, plural) in kube._KINDS.items():
         assert _verbs(groups[prefix], plural) == CALLS[kind], kind

@@ -1,63 +1,25 @@
-"""The reconcile against an in-memory API: what it applies, ownership, the one status write, kopf retry policy."""
+"""The reconcile against an in-memory API: what it reads and applies, ownership, the one status write."""
 
 from __future__ import annotations
 
 import asyncio
-import logging
 from typing import Any
 
-import aiohttp
 import kopf
 import pytest
+from cr_helpers import SPEC, children, conds, cr, foreign, memo, state, stored_status, with_cr
 from fake_kube import FakeKube
 
-from kvfleet_operator import handlers
+from kvfleet_operator import handlers, metrics
 from kvfleet_operator.builders import args_config_map_name
-from kvfleet_operator.config import OperatorConfig
 from kvfleet_operator.kube import AUTOSCALER_MANAGER, ApiError
-from kvfleet_operator.reconcile import ReconcileError
+from kvfleet_operator.plan import ReconcileError
+from kvfleet_operator.reconcile import apply_desired, reconcile_object
 from kvfleet_operator.status import InferenceDeploymentStatus
-
-SPEC: dict[str, Any] = {"model": {"name": "m", "source": {"pvc": {"claimName": "c"}}}, "replicas": 2}
-
-
-def cr(spec: dict[str, Any] | None = None, status: dict[str, Any] | None = None, uid: str = "u1") -> dict[str, Any]:
-    return {"apiVersion": "serving.kvfleet.dev/v1alpha1", "kind": "InferenceDeployment",
-            "metadata": {"name": "m", "namespace": "ns", "uid": uid, "generation": 4},
-            "spec": spec or SPEC, "status": status or {}}
-
-
-def memo(kube: FakeKube) -> kopf.Memo:
-    return kopf.Memo(cfg=OperatorConfig(), kube=kube, locks={})
-
-
-def with_cr(body: dict[str, Any] | None = None) -> FakeKube:
-    kube = FakeKube()
-    kube.add(body or cr())
-    return kube
 
 
 def reconcile(kube: FakeKube, replicas: int | None = None) -> int | None:
-    return asyncio.run(handlers.reconcile_object("ns", "m", memo(kube), replicas=replicas))
-
-
-def children(kube: FakeKube) -> list[str]:
-    return sorted(k for k, _, _ in kube.objects if k != "InferenceDeployment")
-
-
-def stored_status(kube: FakeKube) -> dict[str, Any]:
-    return kube.objects["InferenceDeployment", "ns", "m"]["status"]
-
-
-def conds(kube: FakeKube) -> dict[str, tuple[str, str]]:
-    return {c["type"]: (c["status"], c["reason"]) for c in stored_status(kube)["conditions"]}
-
-
-def foreign(kind: str, name: str = "m", owner: dict[str, Any] | None = None) -> dict[str, Any]:
-    meta: dict[str, Any] = {"name": name, "labels": {"team": "theirs"}}
-    if owner is not None:
-        meta["ownerReferences"] = [owner]
-    return {"apiVersion": "v1", "kind": kind, "metadata": meta, "spec": {"theirs": True}}
+    return asyncio.run(reconcile_object("ns", "m", state(kube), replicas=replicas))
 
 
 def test_create_applies_everything_and_writes_status_once() -> None:
@@ -94,7 +56,7 @@ def test_builtin_mode_keeps_the_live_replicas() -> None:
                                                    "targets": {"queueDepthPerReplica": 4}}}
     kube = with_cr(cr(spec))
     assert reconcile(kube) == 1  # created at minReplicas
-    assert asyncio.run(handlers.apply_desired("ns", "m", memo(kube), 4)) == 4  # the autoscaler's hook
+    assert asyncio.run(apply_desired("ns", "m", state(kube), 4)) == 4  # the autoscaler's hook
     assert reconcile(kube) == 4  # a later reconcile keeps it
     assert kube.objects["Deployment", "ns", "m"]["spec"]["replicas"] == 4
 
@@ -169,47 +131,6 @@ def test_a_foreign_args_config_map_keeps_the_deployment_from_mounting_it() -> No
     assert "Deployment" not in children(kube)
 
 
-def test_a_recreated_object_waits_for_garbage_collection_of_its_namesakes() -> None:
-    kube = with_cr(cr(uid="new"))
-    old_owner = {"apiVersion": "serving.kvfleet.dev/v1alpha1", "kind": "InferenceDeployment", "name": "m",
-                 "uid": "old", "controller": True}
-    old = kube.add({**foreign("Deployment", owner=old_owner), "apiVersion": "apps/v1"})
-    with pytest.raises(kopf.TemporaryError) as e:  # before: 422 from the apiserver → PermanentError, stuck
-        asyncio.run(handlers.run_reconcile("ns", "m", memo(kube), "create", uid="new"))
-    assert e.value.delay == 5.0 and "garbage collection" in str(e.value)
-    assert kube.objects["Deployment", "ns", "m"] == old
-    assert conds(kube)["Degraded"] == ("True", "WaitingForGarbageCollection")
-    # Garbage collection removes it; its DELETED event names the old owner uid, yet the new CR is reconciled.
-    del kube.objects["Deployment", "ns", "m"]
-    asyncio.run(handlers.deployment_changed(body=old, type="DELETED", memo=memo(kube),
-                                            logger=logging.getLogger("test")))
-    dep = kube.objects["Deployment", "ns", "m"]
-    assert dep["metadata"]["ownerReferences"][0]["uid"] == "new" and conds(kube)["Degraded"][0] == "False"
-
-
-@pytest.mark.parametrize(("error", "expected"), [(ApiError(422, "Invalid", "x"), kopf.PermanentError),
-                                                 (ApiError(400, "BadRequest", "x"), kopf.PermanentError),
-                                                 (ApiError(403, "Forbidden", "x"), kopf.TemporaryError),
-                                                 (ApiError(404, "NotFound", "x"), kopf.TemporaryError),
-                                                 (ApiError(409, "Conflict", "x"), kopf.TemporaryError),
-                                                 (ApiError(503, "ServiceUnavailable", "x"), kopf.TemporaryError)])
-def test_api_errors_map_to_kopf_retry_policy(error: ApiError, expected: type[Exception]) -> None:
-    kube = with_cr()
-    kube.fail["Deployment"] = error
-    with pytest.raises(expected):
-        asyncio.run(handlers.run_reconcile("ns", "m", memo(kube), "update"))
-
-
-@pytest.mark.parametrize("error", [aiohttp.ClientConnectionError("connection reset"), TimeoutError(),
-                                   aiohttp.ServerDisconnectedError(), aiohttp.ClientPayloadError()])
-def test_network_failures_are_retried_with_backoff(error: BaseException) -> None:
-    kube = with_cr()
-    kube.broken = error  # before: these escaped the handler as unknown errors
-    with pytest.raises(kopf.TemporaryError) as e:
-        asyncio.run(handlers.run_reconcile("ns", "m", memo(kube), "update", retry=3))
-    assert e.value.delay == 40.0  # 5 s doubled per retry
-
-
 def test_invalid_spec_is_permanent_and_changes_only_degraded() -> None:
     kube = with_cr()
     reconcile(kube)
@@ -238,42 +159,35 @@ def test_deleted_or_replaced_objects_are_left_to_garbage_collection(case: str) -
     if case == "being deleted":
         kube.objects["InferenceDeployment", "ns", "m"]["metadata"]["deletionTimestamp"] = "2026-01-01T00:00:00Z"
     uid = "other-uid" if case == "replaced" else None
-    assert asyncio.run(handlers.reconcile_object("ns", "m", memo(kube), uid=uid)) is None
+    assert asyncio.run(reconcile_object("ns", "m", state(kube), uid=uid)) is None
     assert children(kube) == [] and not kube.status_writes
 
 
-def test_reconcile_handler_posts_events(monkeypatch: pytest.MonkeyPatch) -> None:
-    events: list[tuple[str, str]] = []
-    monkeypatch.setattr(kopf, "event", lambda body, *, type, reason, message: events.append((type, reason)))
+
+
+def test_reads_the_cr_then_each_child_once_and_records_the_reconcile() -> None:
     kube = with_cr()
-    kwargs: dict[str, Any] = {"body": cr(), "name": "m", "namespace": "ns", "uid": "u1", "memo": memo(kube)}
-    asyncio.run(handlers.reconcile(reason="create", **kwargs))
-    kube.fail["Deployment"] = ApiError(500, "InternalError", "x")
-    with pytest.raises(kopf.TemporaryError):
-        asyncio.run(handlers.reconcile(reason="update", **kwargs))
-    assert events == [("Normal", "Applied"), ("Warning", "ReconcileRetrying")]
+    s = state(kube)
+    assert asyncio.run(reconcile_object("ns", "m", s)) == 2
+    assert kube.reads == [("InferenceDeployment", "m"), ("ConfigMap", "m-args"), ("Deployment", "m"),
+                          ("Service", "m"), ("PodDisruptionBudget", "m")]
+    assert set(s.reconciled) == {"u1"}
+    kube.fail["Service"] = ApiError(500, "InternalError", "x")
+    s.reconciled.clear()
+    with pytest.raises(ReconcileError):
+        asyncio.run(reconcile_object("ns", "m", s))
+    assert not s.reconciled  # only a reconcile that reached the desired state counts for the resync's skip
 
 
-def _deployment_event(owner_uid: str = "u1") -> dict[str, Any]:
-    return {"metadata": {"name": "m", "namespace": "ns", "ownerReferences": [
-        {"apiVersion": "serving.kvfleet.dev/v1alpha1", "kind": "InferenceDeployment", "name": "m",
-         "uid": owner_uid, "controller": True}]}}
+def test_metrics_count_refused_writes_and_report_the_desired_replicas() -> None:
+    def applied_errors(kind: str) -> float:
+        return metrics.REGISTRY.get_sample_value("kvfleet_operator_apply_errors_total", {"kind": kind}) or 0.0
 
-
-@pytest.mark.parametrize("owner_uid", ["u1", "uid-of-a-deleted-namesake"])
-def test_deployment_event_reconciles_the_current_object_of_that_name(owner_uid: str) -> None:
     kube = with_cr()
-    asyncio.run(handlers.deployment_changed(body=_deployment_event(owner_uid), type="MODIFIED", memo=memo(kube),
-                                            logger=logging.getLogger("test")))
-    assert "Deployment" in children(kube) and len(kube.status_writes) == 1
-
-
-@pytest.mark.parametrize("case", ["initial listing", "not ours", "owner gone"])
-def test_deployment_event_leaves_other_objects_alone(case: str) -> None:
-    kube = with_cr() if case != "owner gone" else FakeKube()
-    body = _deployment_event()
-    if case == "not ours":
-        body["metadata"]["ownerReferences"][0]["kind"] = "Something"
-    asyncio.run(handlers.deployment_changed(body=body, type=None if case == "initial listing" else "DELETED",
-                                            memo=memo(kube), logger=logging.getLogger("test")))
-    assert children(kube) == [] and not kube.status_writes
+    kube.add(foreign("Service"))
+    before = applied_errors("Service")
+    with pytest.raises(ReconcileError):
+        reconcile(kube)
+    assert applied_errors("Service") == before + 1
+    assert metrics.REGISTRY.get_sample_value("kvfleet_operator_desired_replicas",
+                                             {"namespace": "ns", "name": "m", "reason": "spec"}) == 2

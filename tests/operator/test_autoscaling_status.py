@@ -1,4 +1,4 @@
-"""autoscaling_status.py: the spec as a policy; a Decision in the CRD's status shape; state back after a restart."""
+"""autoscaling/status.py: the spec as a policy; a Decision in the CRD's status shape; state back after a restart."""
 
 from __future__ import annotations
 
@@ -7,9 +7,9 @@ from typing import Any
 
 import pytest
 
-from kvfleet_operator.autoscaler import DEFAULT_SCALE_UP, AutoscalerState, Decision, Proposal, ScaleEvent
-from kvfleet_operator.autoscaling_status import autoscaling_status, conditions, decision_status, policy, rebuild_state
-from kvfleet_operator.fleet import Fleet, Pod
+from kvfleet_operator.autoscaling.decide import DEFAULT_SCALE_UP, AutoscalerState, Decision, Proposal, ScaleEvent
+from kvfleet_operator.autoscaling.fleet import Fleet, Pod
+from kvfleet_operator.autoscaling.status import autoscaling_status, conditions, decision_status, policy, rebuild_state
 from kvfleet_operator.models import AutoscalingSpec
 from kvfleet_operator.status import AutoscalingStatus, InferenceDeploymentStatus
 

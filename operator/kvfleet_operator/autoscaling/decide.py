@@ -37,7 +37,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from kvfleet_operator.behavior import (
+from kvfleet_operator.autoscaling.behavior import (
     DEFAULT_SCALE_DOWN,
     DEFAULT_SCALE_UP,
     Behavior,
@@ -48,7 +48,7 @@ from kvfleet_operator.behavior import (
     rate_limit,
     stabilize,
 )
-from kvfleet_operator.trend import TREND_WINDOW_S, Projection, trend
+from kvfleet_operator.autoscaling.trend import TREND_WINDOW_S, Projection, trend
 
 Mode = Literal["builtin", "external", "off"]
 LatencyMetric = Literal["ttft", "itl", "e2e"]

@@ -2,72 +2,78 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
-from typing import Any, cast
+from collections.abc import Awaitable, Callable, Mapping
+from typing import Any, Protocol, cast
 
 import aiohttp
 import kopf
 from pydantic import ValidationError
 
-from kvfleet_operator import metrics
-from kvfleet_operator.autoscaler import AutoscalerState, Decision, Observation, decide
-from kvfleet_operator.autoscaling_status import autoscaling_status, conditions, policy, rebuild_state
+from kvfleet_operator import metrics, reconcile
+from kvfleet_operator.autoscaling.decide import Decision, Observation, decide
+from kvfleet_operator.autoscaling.fleet import Fleet, classify
+from kvfleet_operator.autoscaling.memory import Memory
+from kvfleet_operator.autoscaling.scrape import scrape_pods
+from kvfleet_operator.autoscaling.status import autoscaling_status, conditions, policy, rebuild_state
 from kvfleet_operator.builders import selector_string
-from kvfleet_operator.config import OperatorConfig
-from kvfleet_operator.fleet import Fleet, StartupTracker, classify
-from kvfleet_operator.kube import AUTOSCALER_MANAGER, ApiError, Kube
+from kvfleet_operator.kube import AUTOSCALER_MANAGER, ApiError, KubeClient
 from kvfleet_operator.models import API_VERSION, KIND, InferenceDeploymentSpec
 from kvfleet_operator.ownership import classify as ownership
-from kvfleet_operator.reconcile import ReconcileError, apply_desired
-from kvfleet_operator.scrape import MetricsWindow, scrape_pods
+from kvfleet_operator.peering import Leadership
+from kvfleet_operator.plan import ReconcileError
 from kvfleet_operator.status import AUTOSCALER_CONDITIONS, CAPACITY_BLOCKED, METRICS_AVAILABLE, now_rfc3339
 
+log = logging.getLogger(__name__)
 DEFAULT_INTERVAL = 15.0
 EventFn = Callable[..., None]
+Sleep = Callable[[float], Awaitable[None]]
 
 
-@dataclass
-class Memory:
-    """What one InferenceDeployment's loop keeps between rounds (in kopf's memo, by uid; lost on restart)."""
+class Context(reconcile.Context, Protocol):
+    """The parts of the operator's state (state.OperatorState) an autoscaling loop uses."""
 
-    window: MetricsWindow
-    startups: StartupTracker = field(default_factory=StartupTracker.empty)
-    state: AutoscalerState | None = None  # None: rebuild from status.autoscaling on the first round
+    leadership: Leadership
+    memories: dict[str, Memory]  # uid → what its loop keeps between rounds
 
 
-def memory(memo: kopf.Memo, uid: str) -> Memory:
-    loops: dict[str, Memory] = memo.setdefault("autoscaling", {})
-    return loops.setdefault(uid, Memory(MetricsWindow()))
+def memory(ctx: Context, uid: str) -> Memory:
+    return ctx.memories.setdefault(uid, Memory())
 
 
-async def run(namespace: str, name: str, uid: str, memo: kopf.Memo, stopped: kopf.DaemonStopped,
-              logger: logging.Logger | logging.LoggerAdapter[Any]) -> None:
-    """Decide every spec.autoscaling.intervalSeconds until stopped, or until the object is gone or replaced."""
-    interval: float | None = DEFAULT_INTERVAL
+async def run(namespace: str, name: str, uid: str, ctx: Context, *, sleep: Sleep = asyncio.sleep) -> None:
+    """Decide every spec.autoscaling.intervalSeconds until the object is gone or replaced (then forget its
+    memory) or the task is cancelled. Rounds are skipped while another operator instance leads."""
+    interval, gone = DEFAULT_INTERVAL, False
     try:
-        while not stopped:
-            try:
-                interval = await tick(namespace, name, uid, memo)
-            except (ApiError, ReconcileError, aiohttp.ClientError, TimeoutError) as e:
-                metrics.AUTOSCALE_TICKS.labels(result="error").inc()
-                logger.warning(f"autoscaling round failed, next in {interval:g}s: {e}")
-            if interval is None:
-                return
-            await stopped.wait(interval)
+        while True:
+            if await ctx.leadership.leading():
+                try:
+                    following = await tick(namespace, name, uid, ctx)
+                except (ApiError, ReconcileError, aiohttp.ClientError, TimeoutError) as e:
+                    metrics.AUTOSCALE_TICKS.labels(result="error").inc()
+                    log.warning(f"{namespace}/{name}: autoscaling round failed, next in {interval:g}s: {e}")
+                except Exception:  # a bug in one round must not stop scaling for good (kopf retried daemons too)
+                    metrics.AUTOSCALE_TICKS.labels(result="error").inc()
+                    log.exception(f"{namespace}/{name}: autoscaling round failed, next in {interval:g}s")
+                else:
+                    if following is None:
+                        gone = True
+                        return
+                    interval = following
+            await sleep(interval)
     finally:
-        if interval is None:
-            memo.get("autoscaling", {}).pop(uid, None)
+        if gone:
+            ctx.memories.pop(uid, None)
 
 
-async def tick(namespace: str, name: str, uid: str, memo: kopf.Memo, *, clock: Callable[[], float] = time.time,
+async def tick(namespace: str, name: str, uid: str, ctx: Context, *, clock: Callable[[], float] = time.time,
                post_event: EventFn | None = None) -> float | None:
     """One round. Returns the seconds until the next, or None once the object is gone or replaced. A round that
     cannot decide (no Deployment yet, an invalid spec, mode no longer builtin) changes nothing."""
-    kube: Kube = memo["kube"]
-    cfg: OperatorConfig = memo["cfg"]
+    kube, cfg = ctx.kube, ctx.cfg
     cr = await kube.get(KIND, namespace, name)
     meta = (cr or {}).get("metadata") or {}
     if cr is None or meta.get("uid") != uid or meta.get("deletionTimestamp"):
@@ -83,7 +89,7 @@ async def tick(namespace: str, name: str, uid: str, memo: kopf.Memo, *, clock: C
     if dep is None or ownership(dep, "Deployment", namespace, name, uid).verdict != "ours":
         return float(a.interval_seconds)  # not created yet, or not ours to scale: the reconcile says why
     now = clock()
-    mem = memory(memo, uid)
+    mem = memory(ctx, uid)
     fleet = classify(await kube.list("Pod", namespace, selector_string(name)), now, cfg.unschedulable_grace_seconds)
     result = await scrape_pods(fleet.targets(), timeout=cfg.scrape_timeout_seconds, clock=clock)
     for err in result.errors.values():
@@ -112,12 +118,12 @@ async def tick(namespace: str, name: str, uid: str, memo: kopf.Memo, *, clock: C
         request_rate=mem.window.request_rate(),  # decide() takes no rate sample on partial metrics
         latency={t.source: mem.window.latency(t.metric, t.percentile / 100) for t in pol.latency_targets},
         new_startup_durations=mem.startups.observe(fleet), starting_ages=fleet.starting_ages(now))
-    state = mem.state if mem.state is not None else rebuild_state(previous)
-    d = decide(pol, obs, state)
+    carried = mem.state if mem.state is not None else rebuild_state(previous)
+    d = decide(pol, obs, carried)
     if d.desired_replicas != d.current_replicas:
         # The same full plan and field manager as the reconcile, with the decided replicas; it fails loudly
         # (and this round's state is dropped, so the next round decides again) if the object changed hands.
-        if await apply_desired(namespace, name, memo, d.desired_replicas, uid=uid) is None:
+        if await reconcile.apply_desired(namespace, name, ctx, d.desired_replicas, uid=uid) is None:
             return None  # deleted or replaced meanwhile
         up = d.desired_replicas > d.current_replicas
         _event(post_event, cr, "Normal", "ScaledUp" if up else "ScaledDown",
@@ -129,7 +135,7 @@ async def tick(namespace: str, name: str, uid: str, memo: kopf.Memo, *, clock: C
     return float(a.interval_seconds)
 
 
-async def _write_status(kube: Kube, cr: dict[str, Any], d: Decision, fleet: Fleet, errors: Mapping[str, str],
+async def _write_status(kube: KubeClient, cr: dict[str, Any], d: Decision, fleet: Fleet, errors: Mapping[str, str],
                         ttft_p95: float | None, post_event: EventFn | None) -> None:
     meta, status = cr["metadata"], cr.get("status") or {}
     previous = [c for c in status.get("conditions") or [] if c.get("type") in AUTOSCALER_CONDITIONS]

@@ -5,7 +5,7 @@ from __future__ import annotations
 from datetime import UTC, datetime
 from typing import Any
 
-from kvfleet_operator.fleet import StartupTracker, classify, metrics_url, timestamp
+from kvfleet_operator.autoscaling.fleet import StartupTracker, classify, metrics_url, timestamp
 
 T0 = timestamp("2026-01-01T00:00:00Z") or 0.0
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvfleet_operator.trend import MAX_SPREAD, MIN_SAMPLES, TREND_WINDOW_S, trend
+from kvfleet_operator.autoscaling.trend import MAX_SPREAD, MIN_SAMPLES, TREND_WINDOW_S, trend
 
 NOW = 5000.0
 

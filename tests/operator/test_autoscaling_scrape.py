@@ -10,8 +10,8 @@ import pytest
 from aiohttp import web
 from prometheus_client import CollectorRegistry, Gauge, Histogram, generate_latest
 
-from kvfleet_operator.scrape import Histogram as Hist
-from kvfleet_operator.scrape import (
+from kvfleet_operator.autoscaling.scrape import Histogram as Hist
+from kvfleet_operator.autoscaling.scrape import (
     MetricsWindow,
     ParseError,
     Snapshot,

@@ -18,7 +18,7 @@ from simulator import Fleet, simulate
 from workload import RequestMix, Trace, traces
 
 from kvfleet_contract import metrics as contract
-from kvfleet_operator.scrape import MetricsWindow
+from kvfleet_operator.autoscaling.scrape import MetricsWindow
 
 GPU = replica.PRESETS["gpu-8b"]
 

@@ -9,7 +9,7 @@ import pytest
 from pydantic import ValidationError
 
 from kvfleet_operator import rules
-from kvfleet_operator.autoscaler import DEFAULT_SCALE_UP
+from kvfleet_operator.autoscaling.decide import DEFAULT_SCALE_UP
 from kvfleet_operator.crd import crd
 from kvfleet_operator.models import InferenceDeployment, InferenceDeploymentSpec
 

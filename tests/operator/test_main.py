@@ -6,10 +6,15 @@ import asyncio
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import aiohttp
+import kopf
+import pytest
 
-from kvfleet_operator import metrics
+from kvfleet_operator import __main__, metrics
+from kvfleet_operator.config import OperatorConfig
+from kvfleet_operator.state import OperatorState
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -58,3 +63,18 @@ def test_health_and_metrics_endpoint_on_a_free_port() -> None:
     before, after, text = asyncio.run(main())
     assert (before, after) == (503, 200)
     assert 'kvfleet_operator_reconciles_total{result="ok",trigger="create"}' in text
+
+
+def test_kopf_gets_the_state_and_its_peer_identity(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The loops beside kopf tell their own entry in the peering object by the identity kopf writes it under.
+    seen: dict[str, Any] = {}
+
+    async def operator(**kwargs: Any) -> None:
+        seen.update(kwargs)
+
+    monkeypatch.setattr(kopf, "operator", operator)
+    cfg = OperatorConfig(port=0, peering="kvfleet", peering_priority=7)
+    asyncio.run(__main__.run(cfg))
+    state = OperatorState.of(seen["memo"])
+    assert state.cfg == cfg and seen["identity"] == state.identity == state.leadership.identity
+    assert (seen["peering_name"], seen["priority"], seen["standalone"]) == ("kvfleet", 7, False)

@@ -1,4 +1,4 @@
-"""autoscaler.decide(): one test per rule, with the numbers worked by hand."""
+"""decide(): one test per rule, with the numbers worked by hand."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from typing import Any, Literal
 
 import pytest
 
-from kvfleet_operator.autoscaler import (
+from kvfleet_operator.autoscaling.decide import (
     AutoscalerState,
     AutoscalingPolicy,
     Behavior,

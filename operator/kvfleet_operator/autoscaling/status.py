@@ -10,7 +10,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from kvfleet_operator.autoscaler import (
+from kvfleet_operator.autoscaling.decide import (
     AutoscalerState,
     AutoscalingPolicy,
     Behavior,
@@ -20,7 +20,7 @@ from kvfleet_operator.autoscaler import (
     ScalingPolicy,
     ScalingRules,
 )
-from kvfleet_operator.fleet import Fleet, timestamp
+from kvfleet_operator.autoscaling.fleet import Fleet, timestamp
 from kvfleet_operator.models import AutoscalingSpec, ScaleDownRules, ScaleUpRules
 from kvfleet_operator.status import (
     AUTOSCALER_CONDITIONS,
@@ -49,7 +49,7 @@ def _rules(r: ScaleUpRules | ScaleDownRules) -> ScalingRules:
 
 
 def policy(a: AutoscalingSpec) -> AutoscalingPolicy:
-    """spec.autoscaling as the pure decision function's policy (the CRD's defaults, not the autoscaler module's)."""
+    """spec.autoscaling as the pure decision function's policy (the CRD's defaults, not decide.py's)."""
     return AutoscalingPolicy(
         mode=a.mode, min_replicas=a.min_replicas, max_replicas=a.max_replicas, tolerance=a.tolerance,
         queue_depth_per_replica=a.targets.queue_depth_per_replica,

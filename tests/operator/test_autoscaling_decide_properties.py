@@ -1,11 +1,11 @@
-"""autoscaler.decide() properties over random policies, observations and carried state (hypothesis)."""
+"""decide() properties over random policies, observations and carried state (hypothesis)."""
 
 from __future__ import annotations
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvfleet_operator.autoscaler import (
+from kvfleet_operator.autoscaling.decide import (
     AutoscalerState,
     AutoscalingPolicy,
     Behavior,

@@ -1,11 +1,11 @@
-"""autoscaler.decide(): the rules driven by the request-rate trend, and the reversal rule, with hand-worked numbers."""
+"""decide(): the rules driven by the request-rate trend, and the reversal rule, with hand-worked numbers."""
 
 from __future__ import annotations
 
 from dataclasses import replace
 from typing import Any
 
-from kvfleet_operator.autoscaler import (
+from kvfleet_operator.autoscaling.decide import (
     AutoscalerState,
     AutoscalingPolicy,
     LatencyTarget,

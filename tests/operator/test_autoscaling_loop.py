@@ -1,21 +1,22 @@
-"""autoscaling_loop.tick(): real agent-like /metrics servers on 127.0.0.1, an in-memory API, a fake clock."""
+"""loop.tick() and run(): real agent-like /metrics servers on 127.0.0.1, an in-memory API, a fake clock."""
 
 from __future__ import annotations
 
 import asyncio
-import logging
 from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime
 from typing import Any
 
-import kopf
 from aiohttp import web
 from fake_kube import FakeKube
 from prometheus_client import CollectorRegistry, Gauge, Histogram, generate_latest
 
-from kvfleet_operator import autoscaling_loop, handlers, metrics
+from kvfleet_operator import metrics
+from kvfleet_operator.autoscaling import loop
 from kvfleet_operator.builders import selector_labels
 from kvfleet_operator.config import OperatorConfig
+from kvfleet_operator.reconcile import reconcile_object
+from kvfleet_operator.state import OperatorState
 from kvfleet_operator.status import InferenceDeploymentStatus
 
 T0 = 1767225600.0  # 2026-01-01T00:00:00Z
@@ -95,21 +96,20 @@ class Harness:
                        "metadata": {"name": "m", "namespace": "ns", "uid": "u1", "generation": 1},
                        "spec": {"model": {"name": "m", "source": {"pvc": {"claimName": "c"}}},
                                 "autoscaling": autoscaling or AUTOSCALING}})
-        self.memo = kopf.Memo(cfg=OperatorConfig(scrape_timeout_seconds=1.0, unschedulable_grace_seconds=60),
-                              kube=self.kube, locks={})
+        self.state = OperatorState(OperatorConfig(scrape_timeout_seconds=1.0, unschedulable_grace_seconds=60),
+                                   self.kube)
         self.now = T0
         self.events: list[tuple[str, str, str]] = []
 
     async def setup(self) -> None:
-        await handlers.reconcile_object("ns", "m", self.memo)
+        await reconcile_object("ns", "m", self.state)
 
     def add_pod(self, body: dict[str, Any]) -> None:
         self.kube.add(body)
 
     async def tick(self, advance: float = 15.0) -> float | None:
         self.now += advance
-        return await autoscaling_loop.tick("ns", "m", "u1", self.memo, clock=lambda: self.now,
-                                           post_event=self.post)
+        return await loop.tick("ns", "m", "u1", self.state, clock=lambda: self.now, post_event=self.post)
 
     def post(self, body: Any, *, type: str, reason: str, message: str) -> None:
         assert body["metadata"]["uid"] == "u1"
@@ -247,23 +247,38 @@ def test_a_round_changes_nothing_unless_builtin_and_ends_with_the_object() -> No
         assert await h.tick() == 5.0 and len(h.kube.writes) == writes
         cr["metadata"]["uid"] = "u2"  # deleted and recreated under the same name
         assert await h.tick() is None
-        # The daemon's loop returns by itself and forgets the object's memory.
-        stopped = Stopped()
-        autoscaling_loop.memory(h.memo, "u1")
-        await autoscaling_loop.run("ns", "m", "u1", h.memo, stopped,  # type: ignore[arg-type]
-                                   logging.getLogger("test"))
-        assert "u1" not in h.memo["autoscaling"] and stopped.waits == 0
+        # The loop returns by itself, without waiting, and forgets the object's memory.
+        waits: list[float] = []
+
+        async def sleep(seconds: float) -> None:
+            waits.append(seconds)
+
+        loop.memory(h.state, "u1")
+        await loop.run("ns", "m", "u1", h.state, sleep=sleep)
+        assert "u1" not in h.state.memories and waits == []
 
     run(body, agents=0)
 
 
-class Stopped:
-    def __init__(self) -> None:
-        self.waits = 0
+def test_the_loop_waits_its_interval_and_skips_rounds_while_another_instance_leads() -> None:
+    async def body(h: Harness, agents: list[Agent]) -> None:
+        leading = [False, True]
+        waits: list[float] = []
 
-    def __bool__(self) -> bool:
-        return False
+        async def is_leading() -> bool:
+            return leading.pop(0) if leading else True
 
-    async def wait(self, timeout: float | None = None) -> Stopped:
-        self.waits += 1
-        return self
+        async def sleep(seconds: float) -> None:
+            waits.append(seconds)
+            if len(waits) == 2:
+                h.kube.objects["InferenceDeployment", "ns", "m"]["metadata"]["uid"] = "u2"  # then it is replaced
+
+        h.state.leadership.leading = is_leading
+        writes = len(h.kube.writes)
+        await loop.run("ns", "m", "u1", h.state, sleep=sleep)
+        # Round 1 skipped (not leading): the default interval; round 2 decided: the CR's 5 s; round 3: gone.
+        assert waits == [loop.DEFAULT_INTERVAL, 5.0]
+        assert [w for w in h.kube.writes[writes:] if w[2] == "status"] == [
+            ("apply", "InferenceDeployment", "status", "kvfleet-autoscaler")]
+
+    run(body, agents=0)

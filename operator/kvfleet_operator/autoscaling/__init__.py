@@ -1,0 +1,1 @@
+"""Builtin autoscaling: the pure decision and its inputs (behavior, trend, scrape, fleet, status), and its loop."""
