@@ -13,6 +13,7 @@ COPY pyproject.toml README.md ./
 COPY agent agent
 COPY kernels kernels
 COPY contract contract
+COPY router router
 COPY operator operator
 RUN if [ -n "$TORCH_INDEX_URL" ]; then pip install torch --index-url "$TORCH_INDEX_URL"; fi \
     && pip install ".[gpu]"

@@ -12,6 +12,7 @@ COPY pyproject.toml README.md ./
 COPY agent agent
 COPY kernels kernels
 COPY contract contract
+COPY router router
 COPY operator operator
 RUN python -c "import re, tomllib; deps = tomllib.load(open('pyproject.toml', 'rb'))['project']['dependencies']; \
 wanted = {'kopf', 'pydantic', 'pyyaml', 'aiohttp', 'prometheus-client'}; \

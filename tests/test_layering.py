@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = {"kvfleet_agent": ROOT / "agent", "kvfleet_kernels": ROOT / "kernels",
-            "kvfleet_contract": ROOT / "contract", "kvfleet_operator": ROOT / "operator"}
+PACKAGES = {"kvfleet_agent": ROOT / "agent", "kvfleet_kernels": ROOT / "kernels", "kvfleet_contract": ROOT / "contract",
+            "kvfleet_operator": ROOT / "operator", "kvfleet_router": ROOT / "router"}
 
 # Each package's floors, lowest first: a module may import its own floor or lower ones, never higher.
 # A prefix names a module or a whole folder; the longest matching prefix decides.
@@ -37,13 +37,20 @@ FLOORS: dict[str, list[list[str]]] = {
         ["kvfleet_operator.autoscaling.loop"],
         ["kvfleet_operator", "kvfleet_operator.state", "kvfleet_operator.handlers", "kvfleet_operator.__main__"],
     ],
+    "kvfleet_router": [
+        ["kvfleet_router.picker", "kvfleet_router.prefix", "kvfleet_router.hold_queue", "kvfleet_router.metrics"],
+        ["kvfleet_router.fleet"],
+        ["kvfleet_router.proxy"],
+        ["kvfleet_router", "kvfleet_router.cli"],
+    ],
 }
-# Which packages each package may import: the contract and the kernels sit below everything, and the
-# operator never loads the agent (nor torch through it).
+# Which packages each package may import: the contract and the kernels sit below everything, and neither
+# the operator nor the router loads the agent (nor torch through it).
 MAY_IMPORT = {"kvfleet_contract": set(), "kvfleet_kernels": set(),
-              "kvfleet_agent": {"kvfleet_kernels", "kvfleet_contract"}, "kvfleet_operator": {"kvfleet_contract"}}
+              "kvfleet_agent": {"kvfleet_kernels", "kvfleet_contract"}, "kvfleet_operator": {"kvfleet_contract"},
+              "kvfleet_router": {"kvfleet_contract"}}
 TORCH_FREE = ("kvfleet_agent.core", "kvfleet_agent.config", "kvfleet_agent.sampling_params",
-              "kvfleet_agent.outputs", "kvfleet_contract", "kvfleet_operator")
+              "kvfleet_agent.outputs", "kvfleet_contract", "kvfleet_operator", "kvfleet_router")
 
 
 def modules() -> dict[str, Path]:

@@ -1,0 +1,110 @@
+"""The replicas behind each model: where they are, whether they are ready, their scraped gauges, our in-flight count."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+import aiohttp
+from prometheus_client.parser import text_string_to_metric_families
+
+from kvfleet_contract import metrics as contract
+from kvfleet_router.picker import ReplicaLoad, Ring
+
+log = logging.getLogger(__name__)
+GAUGES = (contract.REQUESTS_WAITING, contract.REQUESTS_RUNNING, contract.KV_CACHE_USAGE)
+
+
+@dataclass
+class Replica:
+    """One agent endpoint of a model."""
+
+    name: str
+    url: str  # http://host:port, no trailing slash
+    ready: bool = False
+    in_flight: int = 0
+    waiting: float = 0.0
+    running: float = 0.0
+    kv_usage: float = 0.0
+    scraped_at: float = 0.0  # monotonic seconds of the last good scrape
+
+    def load(self) -> ReplicaLoad:
+        """The picker's view of this replica now."""
+        return ReplicaLoad(self.name, self.in_flight, self.waiting, self.running, self.kv_usage)
+
+
+def parse_gauges(text: str) -> dict[str, float]:
+    """The agent's queue and KV gauges from its exposition, summed over label sets (one agent, one model)."""
+    out: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        if family.name in GAUGES:
+            out[family.name] = sum(s.value for s in family.samples)
+    return out
+
+
+class Fleet:
+    """Models → replicas. Endpoints come from a discovery source (static flags, or the Kubernetes watch); the
+    scrape loop keeps each replica's readiness and gauges current; `on_ready` hears when a model gains one."""
+
+    def __init__(self, on_ready: Callable[[str], object] = lambda model: None) -> None:
+        self.models: dict[str, dict[str, Replica]] = {}
+        self.rings: dict[str, Ring] = {}
+        self.on_ready = on_ready
+
+    def set_endpoints(self, model: str, endpoints: Mapping[str, str]) -> None:
+        """Replace a model's endpoints (name → URL), keeping the state of replicas that stay."""
+        old = self.models.get(model, {})
+        self.models[model] = {name: old[name] if name in old and old[name].url == url else Replica(name, url)
+                              for name, url in endpoints.items()}
+
+    def ready(self, model: str) -> list[Replica]:
+        """The model's replicas that may take a request now."""
+        return [r for r in self.models.get(model, {}).values() if r.ready]
+
+    def ring(self, model: str) -> Ring:
+        """The model's hash ring over its ready replicas (rebuilt only when that set changes)."""
+        names = sorted(r.name for r in self.ready(model))
+        ring = self.rings.get(model)
+        if ring is None or ring.names != frozenset(names):
+            ring = self.rings[model] = Ring(names)
+        return ring
+
+    def mark(self, model: str, replica: Replica, ready: bool) -> None:
+        """Set a replica's readiness; a model's first ready replica releases the requests held for it."""
+        had = bool(self.ready(model))
+        replica.ready = ready
+        if ready and not had:
+            self.on_ready(model)
+
+    async def scrape(self, session: aiohttp.ClientSession) -> None:
+        """One round: every replica's /ready and /metrics, concurrently; a replica that fails either is unready."""
+        async def one(model: str, r: Replica) -> None:
+            try:
+                async with session.get(f"{r.url}/ready") as resp:
+                    ok = resp.status == 200
+                    await resp.read()
+                if ok:
+                    async with session.get(f"{r.url}/metrics") as resp:
+                        gauges = parse_gauges(await resp.text())
+                    r.waiting = gauges.get(contract.REQUESTS_WAITING, 0.0)
+                    r.running = gauges.get(contract.REQUESTS_RUNNING, 0.0)
+                    r.kv_usage = gauges.get(contract.KV_CACHE_USAGE, 0.0)
+                    r.scraped_at = time.monotonic()
+            except (aiohttp.ClientError, TimeoutError, ValueError) as e:
+                if r.ready:
+                    log.warning("replica %s of %s stopped answering: %s", r.name, model, e)
+                ok = False
+            self.mark(model, r, ok)
+
+        await asyncio.gather(*(one(m, r) for m, reps in self.models.items() for r in list(reps.values())))
+
+    async def scrape_forever(self, interval_s: float) -> None:
+        """Scrape every interval_s until cancelled (sub-second: load moves faster than the autoscaler's window)."""
+        timeout = aiohttp.ClientTimeout(total=max(interval_s, 0.5))
+        async with aiohttp.ClientSession(timeout=timeout) as session:
+            while True:
+                await self.scrape(session)
+                await asyncio.sleep(interval_s)

@@ -1,0 +1,216 @@
+"""The router's HTTP front: OpenAI routes relayed to the picked replica byte for byte, retried before the first byte."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections.abc import Iterable
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+from prometheus_client import generate_latest
+
+from kvfleet_router.fleet import Fleet, Replica
+from kvfleet_router.hold_queue import HoldQueue, HoldRefused
+from kvfleet_router.metrics import RouterMetrics
+from kvfleet_router.picker import pick
+from kvfleet_router.prefix import prefix_key
+
+log = logging.getLogger(__name__)
+ROUTES = ("/v1/completions", "/v1/chat/completions")
+RETRY_STATUSES = (429, 503)  # the agent refused before starting: another replica may take it
+FORWARDED_HEADERS = ("Content-Type", "Authorization", "Accept")
+ROUTE_HEADER = "x-kvfleet-route"
+MAX_BODY = 16 << 20  # the agent's own limit
+
+
+def error(status: int, message: str, kind: str, **headers: str) -> web.Response:
+    """An error in the agents' (OpenAI's) shape."""
+    return web.json_response({"error": {"message": message, "type": kind, "code": status}}, status=status,
+                             headers=headers)
+
+
+class Router:
+    """Picks a replica per request and relays it; holds requests for models with no ready replica."""
+
+    def __init__(self, fleet: Fleet, holds: HoldQueue, epsilon: float = 0.25, max_attempts: int = 3) -> None:
+        self.fleet, self.holds, self.epsilon, self.max_attempts = fleet, holds, epsilon, max_attempts
+        self.metrics = RouterMetrics()
+        self.session: aiohttp.ClientSession | None = None
+
+    def app(self) -> web.Application:
+        """The aiohttp application: OpenAI routes, models, health, readiness, metrics."""
+        app = web.Application(client_max_size=MAX_BODY)
+        app.add_routes([*(web.post(path, self.relay) for path in ROUTES), web.get("/v1/models", self.models),
+                        web.get("/health", self.health), web.get("/ready", self.health),
+                        web.get("/metrics", self.exposition)])
+        app.on_startup.append(self._open)
+        app.on_cleanup.append(self._close)
+        return app
+
+    async def _open(self, _: web.Application) -> None:
+        # No total timeout: a long generation streams for minutes. Connecting must be quick, though.
+        self.session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None, sock_connect=5.0),
+                                             auto_decompress=False)
+
+    async def _close(self, _: web.Application) -> None:
+        if self.session is not None:
+            await self.session.close()
+
+    async def health(self, request: web.Request) -> web.Response:
+        """GET /health and /ready: the router itself is up (replicas come and go behind it)."""
+        return web.json_response({"status": "ok"})
+
+    async def exposition(self, request: web.Request) -> web.Response:
+        """GET /metrics."""
+        return web.Response(body=generate_latest(self.metrics.registry), content_type="text/plain")
+
+    async def models(self, request: web.Request) -> web.Response:
+        """GET /v1/models: every model the router knows, with its ready replica count."""
+        data = [{"id": m, "object": "model", "owned_by": "kvfleet", "ready_replicas": len(self.fleet.ready(m))}
+                for m in sorted(self.fleet.models)]
+        return web.json_response({"object": "list", "data": data})
+
+    async def relay(self, request: web.Request) -> web.StreamResponse:
+        """POST an OpenAI route: pick, forward, retry on refusal before any byte, relay the answer."""
+        start = time.perf_counter()
+        raw = await request.read()
+        try:
+            body = json.loads(raw)
+        except (json.JSONDecodeError, UnicodeDecodeError, RecursionError):
+            return error(400, "the body is not valid JSON", "invalid_request_error")
+        model = body.get("model") if isinstance(body, dict) else None
+        if not isinstance(model, str) or model not in self.fleet.models:
+            known = ", ".join(sorted(self.fleet.models)) or "none"
+            return error(404, f"model {model!r} is not served here; models: {known}", "invalid_request_error")
+        if not self.fleet.ready(model):
+            held = time.perf_counter()
+            self.metrics.held.labels(model).inc()
+            try:
+                await self.holds.wait(model)
+            except HoldRefused as e:
+                self.metrics.requests.labels(model, "", "held_refused").inc()
+                return error(503, str(e), "service_unavailable", **{"Retry-After": f"{e.retry_after_s:.0f}"})
+            finally:
+                self.metrics.held.labels(model).dec()
+                self.metrics.hold_time.labels(model).observe(time.perf_counter() - held)
+            start = time.perf_counter()  # the wait is the fleet's, not the router's own latency
+        key = prefix_key(body)
+        tried: set[str] = set()
+        retry_after = 1.0
+        while len(tried) < self.max_attempts:
+            candidates = [r for r in self.fleet.ready(model) if r.name not in tried]
+            if not candidates:
+                break
+            choice = pick([r.load() for r in candidates], key, self.epsilon,
+                          self.fleet.ring(model) if not tried else None)
+            replica = next(r for r in candidates if r.name == choice.replica)
+            self.metrics.decisions.labels(model, choice.reason).inc()
+            if tried:
+                self.metrics.retries.labels(model).inc()
+            tried.add(replica.name)
+            result = await self._attempt(request, raw, model, replica, choice.reason, start)
+            if isinstance(result, web.StreamResponse):
+                return result
+            retry_after = max(retry_after, result)
+        self.metrics.requests.labels(model, "", "refused").inc()
+        return error(429, f"every ready replica of {model!r} refused or failed the request; retry later",
+                     "rate_limit_error", **{"Retry-After": f"{retry_after:.0f}"})
+
+    async def _attempt(self, request: web.Request, raw: bytes, model: str, replica: Replica, reason: str,
+                       start: float) -> web.StreamResponse | float:
+        """Send the request to one replica. Returns the relayed response, or the Retry-After (seconds) to honour
+        when the replica refused or could not be reached before anything was sent to the client."""
+        assert self.session is not None
+        headers = {h: request.headers[h] for h in FORWARDED_HEADERS if h in request.headers}
+        replica.in_flight += 1
+        try:
+            sent = time.perf_counter()
+            async with self.session.post(f"{replica.url}{request.path}", data=raw, headers=headers) as upstream:
+                answered = time.perf_counter()
+                if upstream.status in RETRY_STATUSES:
+                    self.metrics.upstream_errors.labels(model, f"http_{upstream.status}").inc()
+                    await upstream.read()
+                    return _retry_after(upstream.headers.get("Retry-After"))
+                return await self._relay(request, upstream, model, replica, reason, (sent - start, answered))
+        except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, TimeoutError) as e:
+            self.metrics.upstream_errors.labels(model, "connect").inc()
+            log.warning("replica %s of %s failed before answering: %s", replica.name, model, e)
+            self.fleet.mark(model, replica, False)  # until the next scrape finds it answering again
+            return 1.0
+        finally:
+            replica.in_flight -= 1
+
+    async def _relay(self, request: web.Request, upstream: aiohttp.ClientResponse, model: str, replica: Replica,
+                     reason: str, timing: tuple[float, float]) -> web.StreamResponse:
+        """Relay the replica's answer as it comes; a stream cut by the replica ends with an error event."""
+        before_send, answered = timing
+        resp = web.StreamResponse(status=upstream.status, headers={
+            **{h: v for h, v in upstream.headers.items() if h in ("Content-Type", "Cache-Control", "Retry-After")},
+            ROUTE_HEADER: f"replica={replica.name}; reason={reason}"})
+        await resp.prepare(request)
+        first = True
+        outcome = "ok" if upstream.status < 400 else f"http_{upstream.status}"
+        try:
+            async for chunk in upstream.content.iter_any():
+                await resp.write(chunk)
+                if first:
+                    first = False
+                    self.metrics.added_latency.observe(before_send + time.perf_counter() - answered)
+        except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError) as e:
+            # Bytes already reached the client: never retried (the client would see a repeated answer).
+            outcome = "cut"
+            self.metrics.upstream_errors.labels(model, "cut").inc()
+            log.warning("replica %s of %s cut a response: %s", replica.name, model, e)
+            if upstream.headers.get("Content-Type", "").startswith("text/event-stream"):
+                event = {"error": {"message": f"the replica serving this request failed: {e}",
+                                   "type": "upstream_error", "code": 502}}
+                await resp.write(f"data: {json.dumps(event)}\n\n".encode())
+        self.metrics.requests.labels(model, replica.name, outcome).inc()
+        await resp.write_eof()
+        return resp
+
+
+def _retry_after(value: str | None) -> float:
+    try:
+        return max(1.0, float(value)) if value else 1.0
+    except ValueError:
+        return 1.0
+
+
+def static_endpoints(specs: Iterable[str]) -> dict[str, dict[str, str]]:
+    """MODEL=URL[,URL...] flags → model → {replica name: URL}; names are the URLs' host:port."""
+    out: dict[str, dict[str, str]] = {}
+    for spec in specs:
+        model, sep, urls = spec.partition("=")
+        if not sep or not model or not urls:
+            raise ValueError(f"--endpoint {spec!r}: expected MODEL=URL[,URL...]")
+        for url in urls.split(","):
+            url = url.rstrip("/")
+            if not url.startswith(("http://", "https://")):
+                raise ValueError(f"--endpoint {spec!r}: {url!r} must start with http:// or https://")
+            out.setdefault(model, {})[url.split("://", 1)[1]] = url
+    return out
+
+
+def wire(fleet: Fleet, holds: HoldQueue, **options: Any) -> Router:
+    """A router over a fleet whose first ready replica of a model releases that model's held requests."""
+    router = Router(fleet, holds, **options)
+    fleet.on_ready = holds.release
+    return router
+
+
+async def serve(router: Router, host: str, port: int, scrape_interval_s: float) -> tuple[web.AppRunner, int]:
+    """Start the router's HTTP server and its scrape loop; returns the runner and the bound port."""
+    # handler_cancellation: a client that disconnects cancels its handler, which closes the upstream
+    # request, which the agent takes as an abort that frees the KV blocks.
+    runner = web.AppRunner(router.app(), handler_cancellation=True, access_log=None)
+    await runner.setup()
+    await web.TCPSite(runner, host, port).start()
+    bound = runner.addresses[0][1]
+    scraper = asyncio.create_task(router.fleet.scrape_forever(scrape_interval_s), name="kvfleet-router scrape")
+    runner.app["scraper"] = scraper
+    return runner, int(bound)

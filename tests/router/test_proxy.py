@@ -1,0 +1,239 @@
+"""kvfleet-router in front of real agent processes: relays, spreads load, follows prefixes, retries, holds from zero."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import aiohttp
+import pytest
+from openai import OpenAI
+from prometheus_client.parser import text_string_to_metric_families
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "agent"))  # the agents' process helper
+from server_process import AgentProcess, start_agent
+
+READY = re.compile(r"kvfleet-router ready: (http://\S+)")
+MODEL = "tiny"
+
+
+@dataclass
+class RouterProcess:
+    """A running kvfleet-router and its output."""
+
+    proc: subprocess.Popen[str]
+    url: str
+    lines: list[str] = field(default_factory=list)
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        self.proc.wait(20)
+
+
+def start_router(*endpoints: str, hold_timeout: float = 120.0) -> RouterProcess:
+    """`kvfleet-router --port 0` over the given MODEL=URL endpoints, once it prints its ready line."""
+    cmd = [sys.executable, "-m", "kvfleet_router.cli", "--port", "0", "--log-level", "WARNING",
+           "--scrape-interval", "0.1", "--hold-timeout", str(hold_timeout),
+           *[x for e in endpoints for x in ("--endpoint", e)]]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    assert proc.stdout is not None
+    lines: list[str] = []
+    for line in proc.stdout:
+        lines.append(line)
+        if m := READY.search(line):
+            threading.Thread(target=lambda: lines.extend(proc.stdout or []), daemon=True).start()
+            return RouterProcess(proc, m.group(1), lines)
+    raise RuntimeError(f"router exited with {proc.wait()}:\n{''.join(lines)}")
+
+
+def counters(url: str, family: str) -> dict[tuple[tuple[str, str], ...], float]:
+    """A counter family's samples from a /metrics page, by label set."""
+    text = OpenAIless.get(f"{url}/metrics")
+    out = {}
+    for fam in text_string_to_metric_families(text):
+        if fam.name == family:
+            for s in fam.samples:
+                if s.name.endswith("_total") or s.name == family:
+                    out[tuple(sorted(s.labels.items()))] = s.value
+    return out
+
+
+class OpenAIless:
+    """Plain HTTP calls the openai client does not make (metrics, raw bodies)."""
+
+    @staticmethod
+    def get(url: str) -> str:
+        async def go() -> str:
+            async with aiohttp.ClientSession() as s, s.get(url) as r:
+                return await r.text()
+        return asyncio.run(go())
+
+    @staticmethod
+    def post(url: str, body: bytes, content_type: str = "application/json") -> tuple[int, dict[str, str], str]:
+        async def go() -> tuple[int, dict[str, str], str]:
+            async with aiohttp.ClientSession() as s, s.post(url, data=body,
+                                                            headers={"Content-Type": content_type}) as r:
+                return r.status, dict(r.headers), await r.text()
+        return asyncio.run(go())
+
+
+def served(agent: AgentProcess) -> float:
+    """Requests an agent finished, by its own counter."""
+    return sum(counters(agent.url, "kvfleet_requests").values())
+
+
+def wait_for(check: Callable[[], bool], timeout: float = 30.0) -> None:
+    """Poll check() until it holds (the router's scrape makes replicas ready within a fraction of a second)."""
+    deadline = time.monotonic() + timeout
+    while not check():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{check} did not hold within {timeout:g}s")
+        time.sleep(0.05)
+
+
+@pytest.fixture(scope="module")
+def agents(tiny_checkpoint: Callable[..., str]) -> Iterator[list[AgentProcess]]:
+    started = [start_agent(tiny_checkpoint("llama"), "--served-model-name", MODEL, "--max-queue-length", "64",
+                           "--max-num-seqs", "8") for _ in range(2)]
+    yield started
+    for a in started:
+        a.stop()
+
+
+@pytest.fixture(scope="module")
+def router(agents: list[AgentProcess]) -> Iterator[RouterProcess]:
+    r = start_router(f"{MODEL}={agents[0].url},{agents[1].url}")
+    wait_for(lambda: '"ready_replicas": 2' in json.dumps(json.loads(OpenAIless.get(f"{r.url}/v1/models"))))
+    yield r
+    r.stop()
+
+
+def test_a_request_through_the_router_equals_a_direct_call(router: RouterProcess, agents: list[AgentProcess]) -> None:
+    via = OpenAI(base_url=f"{router.url}/v1", api_key="unused")
+    direct = OpenAI(base_url=f"{agents[0].url}/v1", api_key="unused")
+    ask = {"model": MODEL, "prompt": "The quick brown fox", "max_tokens": 8, "temperature": 0.0}
+    assert via.completions.create(**ask).choices[0].text == direct.completions.create(**ask).choices[0].text
+    streamed = "".join(c.choices[0].text for c in via.completions.create(**ask, stream=True) if c.choices)
+    assert streamed == direct.completions.create(**ask).choices[0].text
+    raw = via.completions.with_raw_response.create(**ask)
+    assert re.fullmatch(r"replica=127\.0\.0\.1:\d+; reason=(prefix|prefix-spill|least-load)",
+                        raw.headers["x-kvfleet-route"])
+    chat = via.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=4)
+    assert chat.choices[0].finish_reason == "length"
+
+
+def test_distinct_prompts_spread_over_the_replicas(router: RouterProcess, agents: list[AgentProcess]) -> None:
+    before = [served(a) for a in agents]
+
+    async def load() -> None:
+        async with aiohttp.ClientSession() as s:
+            async def one(i: int) -> None:
+                body = {"model": MODEL, "prompt": f"request number {i} about topic {i * 7}", "max_tokens": 4}
+                async with s.post(f"{router.url}/v1/completions", json=body) as r:
+                    assert r.status == 200, await r.text()
+            await asyncio.gather(*(one(i) for i in range(40)))
+
+    asyncio.run(load())
+    shares = [served(a) - b for a, b in zip(agents, before, strict=True)]
+    assert sum(shares) == 40
+    assert min(shares) >= 0.2 * 40, shares
+
+
+def test_a_shared_prefix_stays_on_one_replica(router: RouterProcess) -> None:
+    system = "You are a careful assistant for the kvfleet project. " * 8  # longer than the prefix key
+    replicas = set()
+    for i in range(6):  # one at a time: loads stay equal, so affinity alone decides
+        status, headers, _ = OpenAIless.post(f"{router.url}/v1/completions", json.dumps(
+            {"model": MODEL, "prompt": system + f"question {i}", "max_tokens": 2}).encode())
+        assert status == 200
+        replica, reason = re.findall(r"replica=(\S+); reason=(\S+)", headers["x-kvfleet-route"])[0]
+        replicas.add(replica)
+        assert reason == "prefix"
+    assert len(replicas) == 1
+
+
+@pytest.mark.parametrize(("body", "status", "says"), [
+    (b'{"model": "nope", "prompt": "x"}', 404, "not served here"),
+    (b"{not json", 400, "not valid JSON"),
+])
+def test_bad_requests_are_answered_by_the_router(router: RouterProcess, body: bytes, status: int, says: str) -> None:
+    got, _, text = OpenAIless.post(f"{router.url}/v1/completions", body)
+    assert got == status and says in text
+
+
+def test_refusals_are_retried_on_another_replica(tiny_checkpoint: Callable[..., str],
+                                                 agents: list[AgentProcess]) -> None:
+    refuser = start_agent(tiny_checkpoint("llama"), "--served-model-name", MODEL, "--max-queue-length", "0")
+    try:
+        both = start_router(f"{MODEL}={refuser.url},{agents[1].url}")
+        alone = start_router(f"{MODEL}={refuser.url}")
+        try:
+            wait_for(lambda: '"ready_replicas": 2' in OpenAIless.get(f"{both.url}/v1/models"))
+            for i in range(8):
+                status, headers, _ = OpenAIless.post(f"{both.url}/v1/completions", json.dumps(
+                    {"model": MODEL, "prompt": f"retry {i}", "max_tokens": 2}).encode())
+                assert status == 200 and agents[1].url.split("//")[1] in headers["x-kvfleet-route"]
+            assert sum(counters(both.url, "kvfleet_router_retries").values()) >= 1
+            wait_for(lambda: '"ready_replicas": 1' in OpenAIless.get(f"{alone.url}/v1/models"))
+            status, headers, text = OpenAIless.post(f"{alone.url}/v1/completions",
+                                                    b'{"model": "tiny", "prompt": "x", "max_tokens": 2}')
+            assert status == 429 and "Retry-After" in headers and "refused" in text
+        finally:
+            both.stop()
+            alone.stop()
+    finally:
+        refuser.stop()
+
+
+def free_port() -> int:
+    """A port the OS says is free now (the agent binds it a moment later; the OS does not hand it out meanwhile
+    unless asked for port 0 by someone else in that window)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def test_a_request_for_a_model_with_no_replica_is_held_until_one_is_ready(tiny_checkpoint: Callable[..., str]) -> None:
+    port = free_port()
+    router = start_router(f"{MODEL}=http://127.0.0.1:{port}")
+    result: list[tuple[int, dict[str, str], str]] = []
+    try:
+        sender = threading.Thread(target=lambda: result.append(OpenAIless.post(
+            f"{router.url}/v1/completions", b'{"model": "tiny", "prompt": "held", "max_tokens": 3}')))
+        sender.start()
+        wait_for(lambda: "kvfleet_router_held_requests{model=\"tiny\"} 1.0" in OpenAIless.get(f"{router.url}/metrics"))
+        assert not result  # held, not refused
+        agent = _agent_on(tiny_checkpoint("llama"), port)
+        try:
+            sender.join(120)
+            status, _, text = result[0]
+            assert status == 200, text
+            assert json.loads(text)["usage"]["completion_tokens"] == 3
+        finally:
+            agent.stop()
+    finally:
+        router.stop()
+
+
+def _agent_on(model_dir: str, port: int) -> AgentProcess:
+    """An agent on a given port (the router was told of it before it existed)."""
+    cmd = [sys.executable, "-m", "kvfleet_agent.cli", "--log-level", "WARNING", "serve", "--model", model_dir,
+           "--host", "127.0.0.1", "--port", str(port), "--grpc-port", "-1", "--served-model-name", MODEL]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    assert proc.stdout is not None
+    lines: list[str] = []
+    for line in proc.stdout:
+        lines.append(line)
+        if "kvfleet-agent ready" in line:
+            threading.Thread(target=lambda: lines.extend(proc.stdout or []), daemon=True).start()
+            return AgentProcess(proc, f"http://127.0.0.1:{port}", None, lines)
+    raise RuntimeError(f"agent exited with {proc.wait()}:\n{''.join(lines)}")
