@@ -41,7 +41,7 @@ FLOORS: dict[str, list[list[str]]] = {
         ["kvfleet_router.picker", "kvfleet_router.prefix", "kvfleet_router.hold_queue", "kvfleet_router.metrics"],
         ["kvfleet_router.fleet"],
         ["kvfleet_router.proxy"],
-        ["kvfleet_router", "kvfleet_router.cli"],
+        ["kvfleet_router", "kvfleet_router.cli", "kvfleet_router.bench"],
     ],
 }
 # Which packages each package may import: the contract and the kernels sit below everything, and neither

@@ -9,112 +9,13 @@ import socket
 import subprocess
 import sys
 import threading
-import time
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
-from pathlib import Path
+from collections.abc import Callable
 
 import aiohttp
 import pytest
 from openai import OpenAI
-from prometheus_client.parser import text_string_to_metric_families
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "agent"))  # the agents' process helper
+from router_helpers import MODEL, OpenAIless, RouterProcess, counters, served, start_router, wait_for
 from server_process import AgentProcess, start_agent
-
-READY = re.compile(r"kvfleet-router ready: (http://\S+)")
-MODEL = "tiny"
-
-
-@dataclass
-class RouterProcess:
-    """A running kvfleet-router and its output."""
-
-    proc: subprocess.Popen[str]
-    url: str
-    lines: list[str] = field(default_factory=list)
-
-    def stop(self) -> None:
-        self.proc.terminate()
-        self.proc.wait(20)
-
-
-def start_router(*endpoints: str, hold_timeout: float = 120.0) -> RouterProcess:
-    """`kvfleet-router --port 0` over the given MODEL=URL endpoints, once it prints its ready line."""
-    cmd = [sys.executable, "-m", "kvfleet_router.cli", "--port", "0", "--log-level", "WARNING",
-           "--scrape-interval", "0.1", "--hold-timeout", str(hold_timeout),
-           *[x for e in endpoints for x in ("--endpoint", e)]]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    assert proc.stdout is not None
-    lines: list[str] = []
-    for line in proc.stdout:
-        lines.append(line)
-        if m := READY.search(line):
-            threading.Thread(target=lambda: lines.extend(proc.stdout or []), daemon=True).start()
-            return RouterProcess(proc, m.group(1), lines)
-    raise RuntimeError(f"router exited with {proc.wait()}:\n{''.join(lines)}")
-
-
-def counters(url: str, family: str) -> dict[tuple[tuple[str, str], ...], float]:
-    """A counter family's samples from a /metrics page, by label set."""
-    text = OpenAIless.get(f"{url}/metrics")
-    out = {}
-    for fam in text_string_to_metric_families(text):
-        if fam.name == family:
-            for s in fam.samples:
-                if s.name.endswith("_total") or s.name == family:
-                    out[tuple(sorted(s.labels.items()))] = s.value
-    return out
-
-
-class OpenAIless:
-    """Plain HTTP calls the openai client does not make (metrics, raw bodies)."""
-
-    @staticmethod
-    def get(url: str) -> str:
-        async def go() -> str:
-            async with aiohttp.ClientSession() as s, s.get(url) as r:
-                return await r.text()
-        return asyncio.run(go())
-
-    @staticmethod
-    def post(url: str, body: bytes, content_type: str = "application/json") -> tuple[int, dict[str, str], str]:
-        async def go() -> tuple[int, dict[str, str], str]:
-            async with aiohttp.ClientSession() as s, s.post(url, data=body,
-                                                            headers={"Content-Type": content_type}) as r:
-                return r.status, dict(r.headers), await r.text()
-        return asyncio.run(go())
-
-
-def served(agent: AgentProcess) -> float:
-    """Requests an agent finished, by its own counter."""
-    return sum(counters(agent.url, "kvfleet_requests").values())
-
-
-def wait_for(check: Callable[[], bool], timeout: float = 30.0) -> None:
-    """Poll check() until it holds (the router's scrape makes replicas ready within a fraction of a second)."""
-    deadline = time.monotonic() + timeout
-    while not check():
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"{check} did not hold within {timeout:g}s")
-        time.sleep(0.05)
-
-
-@pytest.fixture(scope="module")
-def agents(tiny_checkpoint: Callable[..., str]) -> Iterator[list[AgentProcess]]:
-    started = [start_agent(tiny_checkpoint("llama"), "--served-model-name", MODEL, "--max-queue-length", "64",
-                           "--max-num-seqs", "8") for _ in range(2)]
-    yield started
-    for a in started:
-        a.stop()
-
-
-@pytest.fixture(scope="module")
-def router(agents: list[AgentProcess]) -> Iterator[RouterProcess]:
-    r = start_router(f"{MODEL}={agents[0].url},{agents[1].url}")
-    wait_for(lambda: '"ready_replicas": 2' in json.dumps(json.loads(OpenAIless.get(f"{r.url}/v1/models"))))
-    yield r
-    r.stop()
 
 
 def test_a_request_through_the_router_equals_a_direct_call(router: RouterProcess, agents: list[AgentProcess]) -> None:
@@ -237,3 +138,53 @@ def _agent_on(model_dir: str, port: int) -> AgentProcess:
             threading.Thread(target=lambda: lines.extend(proc.stdout or []), daemon=True).start()
             return AgentProcess(proc, f"http://127.0.0.1:{port}", None, lines)
     raise RuntimeError(f"agent exited with {proc.wait()}:\n{''.join(lines)}")
+
+
+def test_an_agent_killed_mid_load_ends_its_streams_cleanly_and_the_rest_go_elsewhere(
+        tiny_checkpoint: Callable[..., str]) -> None:
+    pair = [start_agent(tiny_checkpoint("llama"), "--served-model-name", MODEL, "--max-num-seqs", "16")
+            for _ in range(2)]
+    router = start_router(f"{MODEL}={pair[0].url},{pair[1].url}")
+    victim = pair[0].url.split("//")[1]
+    try:
+        wait_for(lambda: '"ready_replicas": 2' in OpenAIless.get(f"{router.url}/v1/models"))
+
+        async def run() -> list[tuple[str, str]]:
+            started = asyncio.Event()
+            streaming: set[int] = set()
+
+            async def stream(s: aiohttp.ClientSession, i: int) -> tuple[str, str]:
+                body = {"model": MODEL, "prompt": f"stream {i}", "max_tokens": 400, "ignore_eos": True,
+                        "stream": True}
+                async with s.post(f"{router.url}/v1/completions", json=body) as r:
+                    replica = re.findall(r"replica=(\S+);", r.headers["x-kvfleet-route"])[0]
+                    last = ""
+                    async for line in r.content:
+                        if line.strip():
+                            last = line.decode().strip()
+                            streaming.add(i)
+                            if len(streaming) == 8:
+                                started.set()
+                    return replica, last
+
+            async with aiohttp.ClientSession() as s:
+                tasks = [asyncio.create_task(stream(s, i)) for i in range(8)]
+                await asyncio.wait_for(started.wait(), 60)
+                pair[0].proc.kill()  # our own agent process, by its pid
+                return await asyncio.wait_for(asyncio.gather(*tasks), 120)  # the router never hangs
+
+        ends = asyncio.run(run())
+        on_victim = [last for replica, last in ends if replica == victim]
+        elsewhere = [last for replica, last in ends if replica != victim]
+        assert on_victim and elsewhere, ends  # both replicas were streaming when one died
+        assert all("upstream_error" in last for last in on_victim), on_victim  # a clean error event, no hang
+        assert all(last == "data: [DONE]" for last in elsewhere), elsewhere
+        for i in range(6):  # new requests avoid the dead replica, or are retried off it before any byte
+            status, headers, _ = OpenAIless.post(f"{router.url}/v1/completions", json.dumps(
+                {"model": MODEL, "prompt": f"after {i}", "max_tokens": 2}).encode())
+            assert status == 200 and victim not in headers["x-kvfleet-route"]
+    finally:
+        router.stop()
+        for a in pair:
+            if a.proc.poll() is None:
+                a.stop()
