@@ -1,4 +1,4 @@
-"""The discrete-event loop: arrivals routed to replicas, pods starting and draining, an autoscaler ticking."""
+"""The discrete-event loop: arrivals routed by kvfleet-router's picker, pods starting and draining, scalers ticking."""
 
 from __future__ import annotations
 
@@ -12,6 +12,9 @@ from replica import Replica, ReplicaModel, Request
 from workload import RequestMix, Trace, arrivals
 
 from kvfleet_operator.autoscaling.scrape import Snapshot
+from kvfleet_router.picker import ReplicaLoad, pick
+
+ROUTER_EPSILON = 0.25  # kvfleet-router's default --epsilon
 
 
 class Fleet:
@@ -147,7 +150,9 @@ def simulate(trace: Trace, policy: Autoscaler, model: ReplicaModel, initial: int
             if not ready:
                 held.append(payload)
                 continue
-            pod = min(ready, key=lambda p: p.load)  # least outstanding requests, like an LLM-aware gateway
+            # kvfleet-router's own picking function: these traces carry no prompts, so it is its least-load path.
+            choice = pick([ReplicaLoad(p.name, p.load) for p in ready], None, ROUTER_EPSILON)
+            pod = next(p for p in ready if p.name == choice.replica)
             schedule(pod, pod.add(payload, now))
         elif kind == POD:
             pod, version = cast(tuple[Replica, int], payload)
