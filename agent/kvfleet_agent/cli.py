@@ -84,6 +84,7 @@ def _serve(a: argparse.Namespace) -> int:
     import asyncio
 
     from kvfleet_agent.config import EngineConfig
+    from kvfleet_agent.server.connections import ConnectionLimits
     from kvfleet_agent.server.lifecycle import ServeOptions, serve
 
     for name, value, low in (("--max-queue-length", a.max_queue_length, 0), ("--drain-grace-period",
@@ -91,8 +92,12 @@ def _serve(a: argparse.Namespace) -> int:
         if value < low:
             raise ValueError(f"{name}={value} must be >= {low}")
     model = a.model or os.environ["KVFLEET_MODEL"]
+    if a.api_key == "":
+        logging.getLogger("kvfleet_agent").warning("the API key is set but empty: the API is open to all")
+    limits = ConnectionLimits(a.max_connections, a.keep_alive_timeout, a.header_timeout, a.body_timeout)
     opts = ServeOptions(a.served_model_name or os.path.basename(os.path.normpath(model)), a.host, a.port,
-                        None if a.grpc_port < 0 else a.grpc_port, a.max_queue_length, a.drain_grace_period)
+                        None if a.grpc_port < 0 else a.grpc_port, a.max_queue_length, a.drain_grace_period,
+                        api_key=a.api_key or None, limits=limits)
     return asyncio.run(serve(EngineConfig.from_kwargs(model, **_engine_options(a)), opts))
 
 
@@ -146,6 +151,19 @@ def main(argv: Sequence[str] | None = None) -> int:
                        help="waiting requests beyond which new ones get 429 / RESOURCE_EXHAUSTED")
     serve.add_argument("--drain-grace-period", type=float, default=30.0,
                        help="seconds accepted requests may take to finish after SIGTERM")
+    serve.add_argument("--api-key", default=None,
+                       help="require 'Authorization: Bearer KEY' on /v1 routes and gRPC Generation calls "
+                            "(/health, /ready, /metrics stay open); prefer the KVFLEET_API_KEY environment "
+                            "variable, which process listings do not show")
+    conn = serve.add_argument_group("connections")
+    conn.add_argument("--max-connections", type=int, default=1024,
+                      help="open connections per front end (HTTP, gRPC); HTTP answers more with 503")
+    conn.add_argument("--keep-alive-timeout", type=float, default=75.0,
+                      help="seconds a connection may sit without a request before it is closed")
+    conn.add_argument("--header-timeout", type=float, default=20.0,
+                      help="seconds from a request's first byte to its complete head (slow clients are closed)")
+    conn.add_argument("--body-timeout", type=float, default=60.0,
+                      help="seconds for a request body to arrive whole (else 408)")
     _engine_flags(serve)
     _env_defaults(serve)
 

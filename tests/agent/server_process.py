@@ -36,11 +36,12 @@ class AgentProcess:
         return self.proc.returncode
 
 
-def start_agent(model_dir: str, *flags: str, timeout: float = 120.0) -> AgentProcess:
-    """Launch the agent with port 0 (any free port) and wait for its ready line."""
+def start_agent(model_dir: str, *flags: str, timeout: float = 120.0, env: dict[str, str] | None = None
+                ) -> AgentProcess:
+    """Launch the agent with port 0 (any free port) and wait for its ready line; env adds variables."""
     cmd = [sys.executable, "-m", "kvfleet_agent.cli", "--log-level", "WARNING", "serve", "--model", model_dir,
            "--host", "127.0.0.1", "--port", "0", "--grpc-port", "0", *flags]
-    env = {k: v for k, v in os.environ.items() if not k.startswith("KVFLEET_")}
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVFLEET_")} | (env or {})
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     assert proc.stdout is not None
     lines: list[str] = []

@@ -26,6 +26,8 @@ from kvfleet_agent.sampling_params import MAX_STOP_STRINGS, SamplingParams
 from kvfleet_agent.server import kvfleet_pb2 as pb
 from kvfleet_agent.server import kvfleet_pb2_grpc as pb_grpc
 from kvfleet_agent.server.admission import Admission
+from kvfleet_agent.server.auth import APIKey
+from kvfleet_agent.server.connections import ConnectionLimits
 from kvfleet_agent.server.grpc_server import start_grpc_server
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -65,6 +67,7 @@ class Agent:
     admission: Admission
     generation: pb_grpc.GenerationStub
     health: pb_grpc.HealthStub
+    channel: grpc.aio.Channel
 
     def all_free(self) -> bool:
         return self.llm.engine.kv.pool.num_free == self.llm.engine.kv.pool.num_blocks
@@ -90,17 +93,19 @@ class Agent:
         return [m async for m in self.generation.GenerateStream(request, timeout=RPC_TIMEOUT_S)]
 
 
-def _serve(ckpt: str | Path, body: Callable[[Agent], Awaitable[None]], max_queue_length: int = 64) -> None:
+def _serve(ckpt: str | Path, body: Callable[[Agent], Awaitable[None]], max_queue_length: int = 64,
+           api_key: str | None = None) -> None:
     """Run body against a fresh engine and server on port 0; always stops both."""
     llm = AsyncLLM.from_options(str(ckpt), **ENGINE_OPTIONS)
 
     async def main() -> None:
         admission = Admission(llm, max_queue_length)
-        server, port = await start_grpc_server(llm, admission, MODEL, "127.0.0.1", 0)
+        server, port = await start_grpc_server(llm, admission, MODEL, "127.0.0.1", 0,
+                                               api_key=APIKey(api_key) if api_key else None)
         try:
             async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
                 stubs = pb_grpc.GenerationStub(channel), pb_grpc.HealthStub(channel)  # type: ignore[no-untyped-call]
-                await body(Agent(llm, admission, *stubs))
+                await body(Agent(llm, admission, *stubs, channel))
         finally:
             await server.stop(grace=None)
 
@@ -208,6 +213,9 @@ INVALID: list[tuple[str, dict[str, Any], str]] = [
     ("no_prompt", {"prompt": None}, "prompt"),
     ("token_id_out_of_vocab", {"prompt": [1, 10**6]}, "token_ids"),
     ("prompt_too_long", {"prompt": [5] * 600}, "prompt"),  # max_model_len is 512
+    ("text_too_long", {"prompt": "word " * 2000}, "characters"),  # 512 tokens of at most 12 characters
+    ("text_past_context_in_tokens", {"prompt": "a b " * 1000}, "tokens"),  # few characters, many tokens
+    ("max_tokens_past_context", {"max_tokens": 600}, "max_tokens"),
     ("unknown_model", {"model": "gpt-4"}, "model"),
     ("empty_request_id", {"request_id": ""}, "request_id"),
 ]
@@ -231,6 +239,82 @@ def test_invalid_input_is_invalid_argument_and_server_keeps_serving(ckpt: Path, 
         assert sum(agent.admission.rejected.values()) == 0  # bad input is not an admission refusal
         resp = await agent.generate(_request(max_tokens=3))
         assert resp.finish_reason == "length" and len(resp.token_ids) == 3
+
+    _serve(ckpt, body)
+
+
+def test_max_tokens_past_the_context_names_both_limits(ckpt: Path) -> None:
+    async def body(agent: Agent) -> None:
+        err = await _error(agent.generate(_request(max_tokens=600)))
+        assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "512" in err.details() and "600" in err.details() and "max_tokens" in err.details()
+
+    _serve(ckpt, body)
+
+
+@pytest.mark.parametrize("method", ["Generate", "GenerateStream"])
+def test_an_undecodable_payload_is_invalid_argument(ckpt: Path, method: str) -> None:
+    async def body(agent: Agent) -> None:
+        path = f"/kvfleet.v1.Generation/{method}"
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            if method == "Generate":
+                await agent.channel.unary_unary(path)(b"\xff\xff\xff", timeout=RPC_TIMEOUT_S)
+            else:
+                async for _ in agent.channel.unary_stream(path)(b"\xff\xff\xff", timeout=RPC_TIMEOUT_S):
+                    pass
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, info.value
+        assert "kvfleet.v1.GenerateRequest" in (info.value.details() or "")
+        await agent.assert_idle()
+
+    _serve(ckpt, body)
+
+
+def test_an_api_key_guards_generation_but_not_health(ckpt: Path) -> None:
+    async def body(agent: Agent) -> None:
+        for metadata, why in ((None, "API key"), ((("authorization", "Bearer wrong"),), "incorrect"),
+                              ((("authorization", "Basic a2V5"),), "Bearer")):
+            err = await _error(agent.generation.Generate(_request(max_tokens=2), timeout=RPC_TIMEOUT_S,
+                                                         metadata=metadata))
+            assert err.code() == grpc.StatusCode.UNAUTHENTICATED and why in (err.details() or ""), err
+            err = await _error(agent.stream(_request(max_tokens=2)))
+            assert err.code() == grpc.StatusCode.UNAUTHENTICATED
+        assert agent.llm.engine.counters.prompt_tokens == 0  # refused before anything reached the engine
+        assert (await agent.status()).status == SERVING  # probes need no key
+        resp = await agent.generation.Generate(_request(max_tokens=2), timeout=RPC_TIMEOUT_S,
+                                               metadata=(("authorization", "Bearer s3cret"),))
+        assert len(resp.token_ids) == 2
+
+    _serve(ckpt, body, api_key="s3cret")
+
+
+def test_connection_limits_cap_connections_and_close_silent_ones(ckpt: Path) -> None:
+    """gRPC core enforces the same limits: connections past the cap are refused, a silent socket is dropped."""
+    async def body(agent: Agent) -> None:
+        limits = ConnectionLimits(max_connections=2, header_timeout_s=1.0)
+        server, port = await start_grpc_server(agent.llm, agent.admission, MODEL, "127.0.0.1", 0, limits=limits)
+        # A channel of its own per client: by default channels to one address share a connection.
+        channels = [grpc.aio.insecure_channel(f"127.0.0.1:{port}", options=[("grpc.use_local_subchannel_pool", 1)])
+                    for _ in range(3)]
+        try:
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)  # never sends the HTTP/2 preface
+            data = b""
+            while chunk := await asyncio.wait_for(reader.read(4096), RPC_TIMEOUT_S):
+                data += chunk
+            assert b"handshake timeout" in data  # gRPC's GOAWAY says why, then closes
+            writer.close()
+            codes = []
+            for channel in channels:
+                try:
+                    await pb_grpc.HealthStub(channel).Check(pb.HealthCheckRequest(),  # type: ignore[no-untyped-call]
+                                                            timeout=RPC_TIMEOUT_S)
+                    codes.append(grpc.StatusCode.OK)
+                except grpc.aio.AioRpcError as e:
+                    codes.append(e.code())
+            assert codes == [grpc.StatusCode.OK, grpc.StatusCode.OK, grpc.StatusCode.UNAVAILABLE]
+        finally:
+            for channel in channels:
+                await channel.close()
+            await server.stop(grace=None)
 
     _serve(ckpt, body)
 

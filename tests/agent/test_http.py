@@ -339,7 +339,7 @@ def test_sigterm_drains_in_flight_requests_then_exits_zero(model_dir: str) -> No
 def test_environment_variables_configure_the_agent(model_dir: str) -> None:
     """Pod specs set flags as KVFLEET_<FLAG>: the queue limit set that way must take effect."""
     env = {**os.environ, "KVFLEET_MAX_QUEUE_LENGTH": "0", "KVFLEET_SERVED_MODEL_NAME": "from-env",
-           "KVFLEET_GRPC_PORT": "-1", "KVFLEET_LOG_LEVEL": "WARNING"}
+           "KVFLEET_GRPC_PORT": "-1", "KVFLEET_LOG_LEVEL": "WARNING", "KVFLEET_API_KEY": "from-a-secret"}
     proc = subprocess.Popen([sys.executable, "-m", "kvfleet_agent.cli", "serve", "--model", model_dir,
                              "--port", "0"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     try:
@@ -351,12 +351,14 @@ def test_environment_variables_configure_the_agent(model_dir: str) -> None:
         assert "ready:" in line and "model=from-env" in line and "grpc=None" in line, seen
         url = line.split()[2]
 
-        async def probe() -> tuple[int, str]:
-            async with aiohttp.ClientSession() as s, s.post(url + "/v1/completions",
+        async def probe(key: str | None) -> tuple[int, str]:
+            headers = {"Authorization": f"Bearer {key}"} if key else {}
+            async with aiohttp.ClientSession() as s, s.post(url + "/v1/completions", headers=headers,
                                                             json={"model": "from-env", "prompt": "x"}) as r:
                 return r.status, (await r.json())["error"]["code"]
 
-        assert asyncio.run(probe()) == (429, "queue_full")  # a queue of length 0 admits nothing
+        assert asyncio.run(probe(None)) == (401, "invalid_api_key")  # KVFLEET_API_KEY is the key
+        assert asyncio.run(probe("from-a-secret")) == (429, "queue_full")  # a queue of length 0 admits nothing
     finally:
         proc.terminate()
         assert proc.wait(60) == 0
@@ -366,7 +368,7 @@ def test_drain_grace_period_is_enforced(model_dir: str) -> None:
     """Requests outliving the grace period are aborted: their streams end cleanly and the process exits 0."""
     a = start_agent(model_dir, "--served-model-name", "tiny", "--drain-grace-period", "1")
 
-    async def scenario() -> tuple[list[int], list[bool], float]:
+    async def scenario() -> tuple[list[int], list[bool], list[str | None], float]:
         async with aiohttp.ClientSession() as s:
             body = {"model": "tiny", "prompt": "too long to drain", "max_tokens": 3500, "temperature": 0,
                     "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
@@ -375,20 +377,24 @@ def test_drain_grace_period_is_enforced(model_dir: str) -> None:
                 await r.content.readuntil(b"\n\n")
             sent = time.monotonic()
             a.proc.send_signal(15)
-            tokens, done = [], []
+            tokens, done, finish = [], [], []
             for r in responses:
-                usage, last = None, b""
+                usage, last, reason = None, b"", None
                 async for line in r.content:
                     if line.startswith(b"data: {"):
-                        usage = json.loads(line[6:]).get("usage") or usage
+                        chunk = json.loads(line[6:])
+                        usage = chunk.get("usage") or usage
+                        reason = next((c["finish_reason"] for c in chunk["choices"]), reason)
                     if line.strip():
                         last = line.strip()
                 tokens.append(usage["completion_tokens"] if usage else -1)
                 done.append(last == b"data: [DONE]")
-            return tokens, done, time.monotonic() - sent
+                finish.append(reason)
+            return tokens, done, finish, time.monotonic() - sent
 
-    tokens, done, elapsed = asyncio.run(scenario())
+    tokens, done, finish, elapsed = asyncio.run(scenario())
     assert a.proc.wait(60) == 0, "".join(a.lines)
     assert all(done), "every stream must end with [DONE]"
+    assert finish == ["abort"] * 8, "the last chunk of a cut stream says why it ended"
     assert all(0 < t < 3500 for t in tokens), tokens  # cut short by the abort, not run to the end
     assert elapsed < 30, f"the drain took {elapsed:.1f} s with a 1 s grace period"

@@ -201,7 +201,9 @@ class Tokenizer:
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids for `text`; with add_special_tokens, exactly one BOS leads when the model uses one."""
-        ids: list[int] = list(self.backend.encode(text, add_special_tokens=add_special_tokens).ids)
+        # encode_batch, not encode: it releases the GIL while Rust works, so a long prompt tokenized on a
+        # server thread does not stall the event loop (encode holds the GIL for the whole call).
+        ids: list[int] = list(self.backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids)
         bos = self.bos_token_id
         if not add_special_tokens or bos is None:
             return ids

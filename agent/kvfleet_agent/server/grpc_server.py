@@ -12,10 +12,11 @@
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, NoReturn
 
 import grpc
+from google.protobuf.message import DecodeError, Message
 
 from kvfleet_agent.engine.async_llm import AsyncLLM, EngineDeadError
 from kvfleet_agent.engine.request_stream import RequestStream
@@ -24,6 +25,10 @@ from kvfleet_agent.sampling_params import SamplingParams
 from kvfleet_agent.server import kvfleet_pb2 as pb
 from kvfleet_agent.server import kvfleet_pb2_grpc as pb_grpc
 from kvfleet_agent.server.admission import Admission, Refusal
+from kvfleet_agent.server.auth import APIKey
+from kvfleet_agent.server.connections import ConnectionLimits
+from kvfleet_agent.server.prompts import PromptEncoder
+from kvfleet_agent.server.protocol import APIError
 
 # GenerateRequest fields declared `optional`: passed to SamplingParams only when set, so that the
 # defaults (max_tokens 16, temperature 1, top_p 1, ...) live in SamplingParams alone.
@@ -50,7 +55,25 @@ async def _fail(context: grpc.aio.ServicerContext, status: _Status) -> NoReturn:
     raise AssertionError("context.abort returned")  # it always raises; this tells the type checker so
 
 
-def _prompt(request: pb.GenerateRequest) -> str | list[int]:
+class _Undecodable:
+    """What the lenient deserializer hands a handler for bytes that are not the request message."""
+
+    def __init__(self, error: str) -> None:
+        self.error = error
+
+
+def _lenient(message: type[Message]) -> Callable[[bytes], Message | _Undecodable]:
+    """A deserializer that never raises: gRPC would answer a raising one with UNKNOWN, not INVALID_ARGUMENT."""
+    def decode(data: bytes) -> Message | _Undecodable:
+        try:
+            return message.FromString(data)
+        except DecodeError as e:  # corrupt wire format, or a string field that is not UTF-8
+            return _Undecodable(f"the request is not a valid {message.DESCRIPTOR.full_name} ({e}): send one "
+                                "serialized with the kvfleet.v1 protobuf definitions")
+    return decode
+
+
+def _prompt(request: pb.GenerateRequest, max_model_len: int) -> str | list[int]:
     kind = request.WhichOneof("prompt")
     if kind is None:
         raise _invalid("prompt is missing: set `text` or `token_ids`")
@@ -59,6 +82,10 @@ def _prompt(request: pb.GenerateRequest) -> str | list[int]:
         if not request.text:
             raise _invalid("prompt is empty: `text` is the empty string")
         return str(request.text)
+    if len(request.token_ids.ids) >= max_model_len:  # before copying them: a huge list is refused in O(1)
+        raise _invalid(f"prompt is too long: `token_ids` has {len(request.token_ids.ids)} tokens; this model's "
+                       f"context is max_model_len={max_model_len} tokens, which must leave room for one generated "
+                       "token")
     ids = [int(t) for t in request.token_ids.ids]
     if not ids:
         raise _invalid("prompt is empty: `token_ids` has no ids")
@@ -81,6 +108,8 @@ def _engine_errors() -> Iterator[None]:
     """Turn AsyncLLM's errors into statuses; it raises them from generate() and from the stream."""
     try:
         yield
+    except APIError as e:  # the prompt checks shared with HTTP (too long for the context, ...)
+        raise _invalid(e.message) from None
     except ValueError as e:  # make_request's checks (prompt too long, token id out of vocab, id in use)
         raise _invalid(str(e)) from None
     except EngineDeadError as e:
@@ -118,22 +147,39 @@ def _response(out: RequestOutput, text_from: int = 0, tokens_from: int = 0) -> p
 class GenerationService(pb_grpc.GenerationServicer):
     """kvfleet.v1.Generation: validates, asks Admission, and streams from AsyncLLM."""
 
-    def __init__(self, llm: AsyncLLM, admission: Admission, model_name: str) -> None:
+    def __init__(self, llm: AsyncLLM, admission: Admission, model_name: str,
+                 prompts: PromptEncoder | None = None) -> None:
         self.llm = llm
         self.admission = admission
         self.model_name = model_name
+        self.prompts = prompts or PromptEncoder(llm)
 
-    def _start(self, request: pb.GenerateRequest) -> RequestStream:
+    async def _start(self, request: pb.GenerateRequest | _Undecodable) -> RequestStream:
         """Check the request, admit it and queue it in the engine."""
+        if isinstance(request, _Undecodable):
+            raise _invalid(request.error)
         if request.model and request.model != self.model_name:
-            raise _invalid(f"model {request.model!r} is not served here: this agent serves {self.model_name!r} "
+            shown = request.model if len(request.model) <= 64 else request.model[:64] + "..."
+            raise _invalid(f"model {shown!r} is not served here: this agent serves {self.model_name!r} "
                            "(or leave `model` empty)")
-        prompt = _prompt(request)
+        prompt = _prompt(request, self.llm.max_model_len)
         params = _sampling_params(request)
         request_id = str(request.request_id) if request.HasField("request_id") else None
         if request_id == "":
             raise _invalid("request_id is empty: give a non-empty id or leave it unset")
-        # Bad input is answered before admission so that it is not counted as a refusal.
+        # Bad input is answered before admission so that it is not counted as a refusal. Admission
+        # is asked before tokenizing (no work for a refused request) and again after (exact).
+        self._admit()
+        name = request.WhichOneof("prompt")
+        with _engine_errors():  # tokenized off the event loop; too long for the context is refused by name
+            ids = (await self.prompts.encode([prompt], name))[0]
+            if request.HasField("max_tokens"):
+                self.prompts.check_fits(len(ids), params.max_tokens, name, "max_tokens")
+        self._admit()
+        with _engine_errors():
+            return self.llm.generate(ids, params, request_id)
+
+    def _admit(self) -> None:
         refusal = self.admission.check()
         if refusal is Refusal.QUEUE_FULL:
             raise _Status(grpc.StatusCode.RESOURCE_EXHAUSTED, "the queue is full; retry later",
@@ -141,15 +187,13 @@ class GenerationService(pb_grpc.GenerationServicer):
         if refusal is not None:
             raise _Status(grpc.StatusCode.UNAVAILABLE,
                           f"this replica is not taking requests ({refusal.value}); retry on another replica")
-        with _engine_errors():
-            return self.llm.generate(prompt, params, request_id)
 
-    async def Generate(self, request: pb.GenerateRequest,
+    async def Generate(self, request: pb.GenerateRequest | _Undecodable,
                        context: grpc.aio.ServicerContext) -> pb.GenerateResponse:
         """Unary: the finished request in one response."""
         final: RequestOutput | None = None
         try:
-            stream = self._start(request)
+            stream = await self._start(request)
             # aclosing: if the call is cancelled (client gone, deadline passed), closing the stream
             # aborts the request in the engine so its KV blocks return at once.
             async with contextlib.aclosing(stream):
@@ -161,14 +205,15 @@ class GenerationService(pb_grpc.GenerationServicer):
             await _fail(context, _Status(grpc.StatusCode.INTERNAL, "the engine ended the request without output"))
         return _response(final)
 
-    async def GenerateStream(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> None:
+    async def GenerateStream(self, request: pb.GenerateRequest | _Undecodable,
+                             context: grpc.aio.ServicerContext) -> None:
         """Server streaming: one response per output, with only what is new since the previous one."""
         # Written with context.write rather than as an async generator: when the call is cancelled,
         # gRPC cancels this coroutine and aclosing closes the engine stream here and now. A handler
         # that yields could be left suspended at its yield, and the request would run on until the
         # garbage collector finalised it.
         try:
-            stream = self._start(request)
+            stream = await self._start(request)
             async with contextlib.aclosing(stream):
                 text_sent = tokens_sent = 0
                 while (out := await _next(stream)) is not None:
@@ -187,9 +232,11 @@ class HealthService(pb_grpc.HealthServicer):
         self.llm = llm
         self.admission = admission
 
-    async def Check(self, request: pb.HealthCheckRequest,
+    async def Check(self, request: pb.HealthCheckRequest | _Undecodable,
                     context: grpc.aio.ServicerContext) -> pb.HealthCheckResponse:
         """Reads the state directly: Admission.check() would count the probe as a refused request."""
+        if isinstance(request, _Undecodable):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.error)
         if not self.llm.is_alive:
             return pb.HealthCheckResponse(status=pb.HealthCheckResponse.NOT_SERVING,
                                           reason=Refusal.ENGINE_DEAD.value)
@@ -198,16 +245,36 @@ class HealthService(pb_grpc.HealthServicer):
         return pb.HealthCheckResponse(status=pb.HealthCheckResponse.SERVING)
 
 
-async def start_grpc_server(llm: AsyncLLM, admission: Admission, model_name: str, host: str,
-                            port: int) -> tuple[grpc.aio.Server, int]:
+def _register(server: grpc.aio.Server, generation: GenerationService, health: HealthService) -> None:
+    """What the generated add_*Servicer_to_server helpers do, with deserializers that never raise."""
+    services = {
+        "kvfleet.v1.Generation": {
+            "Generate": grpc.unary_unary_rpc_method_handler(
+                generation.Generate, request_deserializer=_lenient(pb.GenerateRequest),
+                response_serializer=pb.GenerateResponse.SerializeToString),
+            "GenerateStream": grpc.unary_stream_rpc_method_handler(
+                generation.GenerateStream, request_deserializer=_lenient(pb.GenerateRequest),
+                response_serializer=pb.GenerateResponse.SerializeToString)},
+        "kvfleet.v1.Health": {
+            "Check": grpc.unary_unary_rpc_method_handler(
+                health.Check, request_deserializer=_lenient(pb.HealthCheckRequest),
+                response_serializer=pb.HealthCheckResponse.SerializeToString)},
+    }
+    for name, handlers in services.items():
+        server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(name, handlers),))
+        server.add_registered_method_handlers(name, handlers)
+
+
+async def start_grpc_server(llm: AsyncLLM, admission: Admission, model_name: str, host: str, port: int, *,
+                            api_key: APIKey | None = None, prompts: PromptEncoder | None = None,
+                            limits: ConnectionLimits | None = None) -> tuple[grpc.aio.Server, int]:
     """Start serving Generation and Health on host:port (0 picks a free port); returns the server and its port."""
     # gRPC turns SO_REUSEPORT on by default, which would let a second agent bind a port that is
     # already taken and silently split its traffic; without it, a taken port fails here.
-    server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
-    # protoc emits these registration helpers without annotations.
-    pb_grpc.add_GenerationServicer_to_server(  # type: ignore[no-untyped-call]
-        GenerationService(llm, admission, model_name), server)
-    pb_grpc.add_HealthServicer_to_server(HealthService(llm, admission), server)  # type: ignore[no-untyped-call]
+    options = [("grpc.so_reuseport", 0), *(limits.grpc_options() if limits is not None else [])]
+    server = grpc.aio.server(options=options,
+                             interceptors=[api_key.interceptor()] if api_key is not None else None)
+    _register(server, GenerationService(llm, admission, model_name, prompts), HealthService(llm, admission))
     address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
     try:
         bound = int(server.add_insecure_port(address))

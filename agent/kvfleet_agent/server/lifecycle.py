@@ -4,18 +4,24 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
+import resource
 import signal
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from aiohttp import web
 
 from kvfleet_agent.config import EngineConfig
 from kvfleet_agent.engine.async_llm import AsyncLLM
+from kvfleet_agent.server import log_limit
 from kvfleet_agent.server.admission import Admission
+from kvfleet_agent.server.auth import APIKey
+from kvfleet_agent.server.connections import MAX_LINGERING, ConnectionGate, ConnectionLimits
 from kvfleet_agent.server.http import HTTPFrontend
 from kvfleet_agent.server.metrics import AgentMetrics
+from kvfleet_agent.server.prompts import PromptEncoder
 
 log = logging.getLogger("kvfleet_agent.server")
 
@@ -30,31 +36,70 @@ class ServeOptions:
     grpc_port: int | None = 50051  # None disables gRPC; 0 picks a free port
     max_queue_length: int = 256
     drain_grace_period_s: float = 30.0
+    api_key: str | None = None  # required as `Authorization: Bearer <key>` on /v1 and gRPC Generation
+    limits: ConnectionLimits = field(default_factory=ConnectionLimits)
+
+
+_FD_RESERVE = 128  # descriptors kept for everything but client connections: files, pipes, gRPC, logs
+
+
+def _fit_file_limit(limits: ConnectionLimits) -> ConnectionLimits:
+    """Raise the soft descriptor limit to fit both front ends' connections, or lower the cap to fit it.
+
+    Past the limit, accept() fails in a loop (asyncio logs every failure) and no client gets in.
+    """
+    # HTTP and gRPC each have their own cap; refused HTTP sockets linger a moment to deliver the 503.
+    want = 2 * limits.max_connections + MAX_LINGERING + _FD_RESERVE
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != resource.RLIM_INFINITY and soft < want:
+        target = want if hard == resource.RLIM_INFINITY else min(want, hard)
+        with contextlib.suppress(ValueError, OSError):
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+            soft = target
+    if soft == resource.RLIM_INFINITY or soft >= want:
+        return limits
+    cap = max(1, (soft - _FD_RESERVE - MAX_LINGERING) // 2)
+    log.warning("the open-file limit is %d (hard %d): lowering --max-connections from %d to %d", soft, hard,
+                limits.max_connections, cap)
+    return dataclasses.replace(limits, max_connections=cap)
 
 
 async def serve(engine_config: EngineConfig, opts: ServeOptions) -> int:
     """Run until SIGTERM/SIGINT (drain, then 0) or until the engine dies (1)."""
     loop = asyncio.get_running_loop()
+    log_limit.install()  # a flood of bad clients must not become a flood of log lines
+    api_key = APIKey(opts.api_key) if opts.api_key is not None else None
+    limits = _fit_file_limit(opts.limits)
     # Loading can take minutes for large models: keep the event loop responsive meanwhile.
     llm = await loop.run_in_executor(None, AsyncLLM, engine_config)
     admission = Admission(llm, opts.max_queue_length)
     metrics = AgentMetrics(llm, admission, opts.served_model_name)
-    http = HTTPFrontend(llm, admission, metrics, opts.served_model_name)
+    prompts = await loop.run_in_executor(None, PromptEncoder, llm)  # reads the whole vocabulary once
+    # The listener is ours rather than a TCPSite: this gate between it and aiohttp caps connections.
+    gate = ConnectionGate(limits.max_connections, limits.header_timeout_s)
+    http = HTTPFrontend(llm, admission, metrics, opts.served_model_name, prompts=prompts, api_key=api_key,
+                        gate=gate, body_timeout_s=limits.body_timeout_s)
     # handler_cancellation: a client that hangs up cancels its handler, which aborts its request.
-    runner = web.AppRunner(http.app(), handler_cancellation=True, access_log=None, shutdown_timeout=5.0)
+    # keepalive_timeout closes idle connections, and (aiohttp does not restart it on partial data)
+    # those that never finish a request head; auto_decompress off: compressed bodies are refused.
+    runner = web.AppRunner(http.app(), handler_cancellation=True, access_log=None, shutdown_timeout=5.0,
+                           keepalive_timeout=limits.keep_alive_timeout_s, auto_decompress=False, lingering_time=2.0)
     await runner.setup()
-    site = web.TCPSite(runner, opts.host, opts.port)
-    await site.start()
-    http_port = runner.addresses[0][1]
+    gate.factory = runner.server
+    listener = await loop.create_server(gate, opts.host, opts.port)
+    http_port = listener.sockets[0].getsockname()[1]
     grpc_server, grpc_port = None, None
     if opts.grpc_port is not None:
         from kvfleet_agent.server.grpc_server import start_grpc_server
 
         grpc_server, grpc_port = await start_grpc_server(llm, admission, opts.served_model_name, opts.host,
-                                                         opts.grpc_port)
+                                                         opts.grpc_port, api_key=api_key, prompts=prompts,
+                                                         limits=limits)
     pids = llm.worker_pids()
     if pids:  # machine-readable too: supervisors and tests can watch (or kill) the tensor-parallel ranks
         print(f"kvfleet-agent workers: {' '.join(map(str, pids))}", flush=True)
+    if api_key is not None:
+        log.info("an API key is required on /v1 routes and gRPC Generation calls")
     # One machine-readable line: tests and supervisors learn the real ports (0 means "any free one").
     print(f"kvfleet-agent ready: http://{opts.host}:{http_port} grpc={grpc_port} model={opts.served_model_name}",
           flush=True)
@@ -72,7 +117,9 @@ async def serve(engine_config: EngineConfig, opts: ServeOptions) -> int:
     await loop.run_in_executor(None, llm.shutdown)
     if grpc_server is not None:
         await grpc_server.stop(grace=1.0)
+    listener.close()
     await runner.cleanup()
+    prompts.close()
     # After the drain: an engine (or a tensor-parallel worker) that died meanwhile is a failure.
     code = 0 if llm.failure() is None else 1
     log.info("kvfleet-agent stopped (exit %d)", code)
