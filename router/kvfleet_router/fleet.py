@@ -30,10 +30,20 @@ class Replica:
     running: float = 0.0
     kv_usage: float = 0.0
     scraped_at: float = 0.0  # monotonic seconds of the last good scrape
+    finished_since_scrape: int = 0  # our requests that ended after the last scrape counted them
 
     def load(self) -> ReplicaLoad:
-        """The picker's view of this replica now."""
-        return ReplicaLoad(self.name, self.in_flight, self.waiting, self.running, self.kv_usage)
+        """The picker's view of this replica now: the scraped queue less what we saw finish since (a scrape is up
+        to one interval old, and counting requests that already left would steer traffic away for nothing)."""
+        gone = float(self.finished_since_scrape)  # taken from the running first: requests finish from there
+        running = max(0.0, self.running - gone)
+        waiting = max(0.0, self.waiting - max(0.0, gone - self.running))
+        return ReplicaLoad(self.name, self.in_flight, waiting, running, self.kv_usage)
+
+    def finished(self) -> None:
+        """One of our requests to this replica ended."""
+        self.in_flight -= 1
+        self.finished_since_scrape += 1
 
 
 def parse_gauges(text: str) -> dict[str, float]:
@@ -93,6 +103,7 @@ class Fleet:
                     r.running = gauges.get(contract.REQUESTS_RUNNING, 0.0)
                     r.kv_usage = gauges.get(contract.KV_CACHE_USAGE, 0.0)
                     r.scraped_at = time.monotonic()
+                    r.finished_since_scrape = 0
             except (aiohttp.ClientError, TimeoutError, ValueError) as e:
                 if r.ready:
                     log.warning("replica %s of %s stopped answering: %s", r.name, model, e)

@@ -142,7 +142,7 @@ class Router:
             self.fleet.mark(model, replica, False)  # until the next scrape finds it answering again
             return 1.0
         finally:
-            replica.in_flight -= 1
+            replica.finished()
 
     async def _relay(self, request: web.Request, upstream: aiohttp.ClientResponse, model: str, replica: Replica,
                      reason: str, timing: tuple[float, float]) -> web.StreamResponse:
