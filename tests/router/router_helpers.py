@@ -1,22 +1,28 @@
-"""Shared by the router tests: a real kvfleet-router process, plain HTTP calls, counters read from /metrics."""
+"""Shared by the router tests: a real kvfleet-router process, its fixtures, plain HTTP calls, counters from /metrics.
+
+Not a conftest.py: tests/agent imports `conftest` by name, and a second conftest module would shadow it. Test
+modules import the fixtures they use from here.
+"""
 
 from __future__ import annotations
 
 import asyncio
+import json
 import re
 import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import aiohttp
+import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "agent"))  # the agents' process helper
-from server_process import AgentProcess
+from server_process import AgentProcess, start_agent
 
 READY = re.compile(r"kvfleet-router ready: (http://\S+)")
 MODEL = "tiny"
@@ -94,3 +100,20 @@ def wait_for(check: Callable[[], bool], timeout: float = 30.0) -> None:
         if time.monotonic() > deadline:
             raise TimeoutError(f"{check} did not hold within {timeout:g}s")
         time.sleep(0.05)
+
+
+@pytest.fixture(scope="module", name="agents")
+def agents_fixture(tiny_checkpoint: Callable[..., str]) -> Iterator[list[AgentProcess]]:
+    started = [start_agent(tiny_checkpoint("llama"), "--served-model-name", MODEL, "--max-queue-length", "64",
+                           "--max-num-seqs", "8") for _ in range(2)]
+    yield started
+    for a in started:
+        a.stop()
+
+
+@pytest.fixture(scope="module", name="router")
+def router_fixture(agents: list[AgentProcess]) -> Iterator[RouterProcess]:
+    r = start_router(f"{MODEL}={agents[0].url},{agents[1].url}")
+    wait_for(lambda: '"ready_replicas": 2' in json.dumps(json.loads(OpenAIless.get(f"{r.url}/v1/models"))))
+    yield r
+    r.stop()

@@ -6,7 +6,7 @@ import json
 import subprocess
 import sys
 
-from router_helpers import MODEL, RouterProcess
+from router_helpers import MODEL, RouterProcess, agents_fixture, router_fixture  # noqa: F401 (fixtures, found by name)
 from server_process import AgentProcess
 
 from kvfleet_router.bench import percentile

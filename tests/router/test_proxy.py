@@ -14,7 +14,17 @@ from collections.abc import Callable
 import aiohttp
 import pytest
 from openai import OpenAI
-from router_helpers import MODEL, OpenAIless, RouterProcess, counters, served, start_router, wait_for
+from router_helpers import (  # noqa: F401 (fixtures, found by name)
+    MODEL,
+    OpenAIless,
+    RouterProcess,
+    agents_fixture,
+    counters,
+    router_fixture,
+    served,
+    start_router,
+    wait_for,
+)
 from server_process import AgentProcess, start_agent
 
 
