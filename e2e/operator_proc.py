@@ -46,10 +46,23 @@ def _established(cluster: LocalCluster, name: str) -> bool:
     return any(c["type"] == "Established" and c["status"] == "True" for c in conditions)
 
 
-def service_account_kubeconfig(cluster: LocalCluster) -> Path:
-    """A kubeconfig carrying a fresh token of the operator's ServiceAccount (TokenRequest API)."""
+def install_single_namespace(cluster: LocalCluster, namespace: str) -> None:
+    """manifests/overlays/single-namespace into `namespace`, wrapped as a GitOps repository would wrap it (a
+    kustomization of its own that sets the namespace); its operator Deployment scaled to zero, as in install()."""
+    wrapper = cluster.run_dir / f"single-namespace-{namespace}"
+    wrapper.mkdir()
+    overlay = REPO / "manifests" / "overlays" / "single-namespace"
+    (wrapper / "kustomization.yaml").write_text(json.dumps({  # JSON is YAML
+        "apiVersion": "kustomize.config.k8s.io/v1beta1", "kind": "Kustomization", "namespace": namespace,
+        "resources": [os.path.relpath(overlay, wrapper)]}))
+    cluster.kubectl("apply", "--server-side", "--field-manager=kvfleet-e2e", "-k", str(wrapper))
+    cluster.kubectl("scale", "deployment", "kvfleet-operator", "-n", namespace, "--replicas=0")
+
+
+def service_account_kubeconfig(cluster: LocalCluster, namespace: str = NAMESPACE) -> Path:
+    """A kubeconfig carrying a fresh token of the operator's ServiceAccount in `namespace` (TokenRequest API)."""
     request = {"apiVersion": "authentication.k8s.io/v1", "kind": "TokenRequest", "spec": {"expirationSeconds": 7200}}
-    token = cluster.api("POST", f"/api/v1/namespaces/{NAMESPACE}/serviceaccounts/{SERVICE_ACCOUNT}/token",
+    token = cluster.api("POST", f"/api/v1/namespaces/{namespace}/serviceaccounts/{SERVICE_ACCOUNT}/token",
                         request)["status"]["token"]
     ca = base64.b64encode(cluster.pki.ca_crt.read_bytes()).decode()
     config = {
@@ -58,7 +71,7 @@ def service_account_kubeconfig(cluster: LocalCluster) -> Path:
         "users": [{"name": SERVICE_ACCOUNT, "user": {"token": token}}],
         "contexts": [{"name": "operator", "context": {"cluster": "local", "user": SERVICE_ACCOUNT}}],
     }
-    path = cluster.run_dir / "operator.kubeconfig"
+    path = cluster.run_dir / ("operator.kubeconfig" if namespace == NAMESPACE else f"operator-{namespace}.kubeconfig")
     write_secret(path, json.dumps(config))  # JSON is YAML
     return path
 
@@ -66,9 +79,12 @@ def service_account_kubeconfig(cluster: LocalCluster) -> Path:
 class Operator:
     """One operator process at a time; start() again after stop() or kill() for a restart."""
 
-    def __init__(self, cluster: LocalCluster, env: dict[str, str] | None = None) -> None:
+    def __init__(self, cluster: LocalCluster, env: dict[str, str] | None = None, namespace: str = NAMESPACE) -> None:
+        """An operator under the token of the kvfleet-operator ServiceAccount of `namespace` (where it is
+        installed)."""
         self.cluster = cluster
-        self.kubeconfig = service_account_kubeconfig(cluster)
+        self.kubeconfig = service_account_kubeconfig(cluster, namespace)
+        self.label = "operator" if namespace == NAMESPACE else f"operator-{namespace}"  # its logs/LABEL-N.log
         self.extra_env = env or {}
         self.proc: Proc | None = None
         self.starts = 0
@@ -78,7 +94,7 @@ class Operator:
         self.starts += 1
         env = {**os.environ, "KUBECONFIG": str(self.kubeconfig), "KVFLEET_OPERATOR_PORT": "0",
                "KVFLEET_LOG_FORMAT": "text", "KVFLEET_LOG_LEVEL": "DEBUG", **self.extra_env}
-        self.proc = self.cluster.spawn_in_pod_network(f"operator-{self.starts}", [sys.executable, "-m",
+        self.proc = self.cluster.spawn_in_pod_network(f"{self.label}-{self.starts}", [sys.executable, "-m",
                                                                                   "kvfleet_operator"], env)
         return self.proc
 

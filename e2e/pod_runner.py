@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
 import ctypes
 import os
@@ -16,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 import aiohttp
 from kubeapi import ApiStatusError
-from podspec import Probe, ProcessSpec, configmap_names, process_spec
+from podspec import Probe, ProcessSpec, configmap_names, env_object_names, process_spec
 
 if TYPE_CHECKING:
     from kubelet import Kubelet
@@ -75,14 +76,30 @@ class PodRunner:
         self.spec: ProcessSpec | None = None  # set once prepare() succeeded
         self.stopping = False
 
+    async def _data(self, plural: str, name: str, *, missing_ok: bool) -> dict[str, str] | None:
+        """A ConfigMap's or Secret's data (a Secret's decoded); None when it does not exist and missing_ok."""
+        try:
+            obj = await self.kubelet.api.request("GET", f"/api/v1/namespaces/{self.namespace}/{plural}/{name}")
+        except ApiStatusError as exc:
+            if exc.status == 404 and missing_ok:
+                return None  # podspec decides: an optional env reference is left out, a required one waits
+            raise
+        data: dict[str, str] = obj.get("data") or {}
+        return {k: base64.b64decode(v).decode() for k, v in data.items()} if plural == "secrets" else data
+
     async def prepare(self) -> ProcessSpec:
-        """The process to run; ConfigMap volumes are read from the API now, like a kubelet's volume manager."""
-        configmaps: dict[str, dict[str, str]] = {}
-        for name in configmap_names(self.pod):
-            cm = await self.kubelet.api.request("GET", f"/api/v1/namespaces/{self.namespace}/configmaps/{name}")
-            configmaps[name] = cm.get("data", {})
+        """The process to run; ConfigMaps (volumes, env) and Secrets (env) are read from the API now, like a
+        kubelet's volume manager and its env resolution."""
+        found: dict[str, dict[str, dict[str, str]]] = {"configmaps": {}, "secrets": {}}
+        for name in configmap_names(self.pod):  # a volume's ConfigMap must exist: retried until it does
+            found["configmaps"][name] = await self._data("configmaps", name, missing_ok=False) or {}
+        for plural, names in env_object_names(self.pod).items():
+            for name in names - found[plural].keys():
+                if (data := await self._data(plural, name, missing_ok=True)) is not None:
+                    found[plural][name] = data
         spec = process_spec(self.pod, self.ip, self.kubelet.host_ip, self.dir, self.kubelet.run_dir,
-                            self.kubelet.base_env, configmaps, self.kubelet.max_probe_period)
+                            self.kubelet.base_env, found["configmaps"], self.kubelet.max_probe_period,
+                            found["secrets"])
         for d in spec.dirs:
             d.mkdir(parents=True, exist_ok=True)
         for path, text in spec.files.items():

@@ -146,6 +146,12 @@ def _volume_dirs(pod: Mapping[str, Any], pod_dir: Path, run_dir: Path,
     return dirs, files
 
 
+def _env_refs(pod: Mapping[str, Any], kind: str) -> set[str]:
+    """Names of the objects (secretKeyRef or configMapKeyRef) the first container's env reads."""
+    env = pod["spec"]["containers"][0].get("env", [])
+    return {var["valueFrom"][kind]["name"] for var in env if kind in var.get("valueFrom", {})}
+
+
 def configmap_names(pod: Mapping[str, Any]) -> set[str]:
     """ConfigMaps the pod's volumes read (the kubelet fetches them before start)."""
     names = set()
@@ -155,9 +161,28 @@ def configmap_names(pod: Mapping[str, Any]) -> set[str]:
     return names
 
 
+def env_object_names(pod: Mapping[str, Any]) -> dict[str, set[str]]:
+    """The ConfigMaps and Secrets the first container's env reads, by plural ("configmaps", "secrets")."""
+    return {"configmaps": _env_refs(pod, "configMapKeyRef"), "secrets": _env_refs(pod, "secretKeyRef")}
+
+
+def _key_ref(var: Mapping[str, Any], kind: str, objects: Mapping[str, Mapping[str, str]]) -> str | None:
+    """A secretKeyRef or configMapKeyRef's value; None when it is missing and optional (the variable is left out).
+    A missing required one raises, as a kubelet reports CreateContainerConfigError and retries."""
+    ref = var["valueFrom"][kind]
+    data = objects.get(ref["name"])
+    if data is not None and ref["key"] in data:
+        return data[ref["key"]]
+    if ref.get("optional"):
+        return None
+    what = "secret" if kind == "secretKeyRef" else "configmap"
+    raise ValueError(f"env {var['name']}: {what} {ref['name']!r}" + (" not found" if data is None
+                                                                      else f" has no key {ref['key']!r}"))
+
+
 def process_spec(pod: Mapping[str, Any], pod_ip: str, host_ip: str, pod_dir: Path, run_dir: Path,
                  base_env: Mapping[str, str], configmaps: Mapping[str, Mapping[str, str]] | None = None,
-                 max_period: float = 1.0) -> ProcessSpec:
+                 max_period: float = 1.0, secrets: Mapping[str, Mapping[str, str]] | None = None) -> ProcessSpec:
     """The local process for pod's first container; ValueError names what the process kubelet cannot do."""
     container = pod["spec"]["containers"][0]
     vol_dirs, files = _volume_dirs(pod, pod_dir, run_dir, configmaps or {})
@@ -183,10 +208,19 @@ def process_spec(pod: Mapping[str, Any], pod_ip: str, host_ip: str, pod_dir: Pat
     env.update(base_env)
     for var in container.get("env", []):
         if "valueFrom" in var:
-            ref = var["valueFrom"].get("fieldRef")
-            if ref is None:
-                raise ValueError(f"env {var['name']}: only fieldRef valueFrom is supported by the process kubelet")
-            env[var["name"]] = field_ref(pod, ref["fieldPath"], pod_ip, host_ip)
+            source = var["valueFrom"]
+            value: str | None
+            if "fieldRef" in source:
+                value = field_ref(pod, source["fieldRef"]["fieldPath"], pod_ip, host_ip)
+            elif "secretKeyRef" in source:
+                value = _key_ref(var, "secretKeyRef", secrets or {})
+            elif "configMapKeyRef" in source:
+                value = _key_ref(var, "configMapKeyRef", configmaps or {})
+            else:
+                raise ValueError(f"env {var['name']}: valueFrom {sorted(source)} is not supported by the process "
+                                 "kubelet (fieldRef, secretKeyRef and configMapKeyRef are)")
+            if value is not None:
+                env[var["name"]] = value
         elif var["name"] != "PATH":  # the kubelet's PATH finds kvfleet-agent; a pod cannot redirect it
             env[var["name"]] = local(expand(var.get("value", ""), env))
     env["KVFLEET_HOST"] = pod_ip  # see the module docstring: 0.0.0.0 would be shared by every pod here

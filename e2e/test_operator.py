@@ -23,6 +23,10 @@ from operator_proc import (
     owned,
     wait_ready,
 )
+from pydantic import ValidationError
+
+# e2e/ is type-checked on its own (`cd e2e && mypy --strict *.py`), without the project's mypy_path.
+from kvfleet_operator.models import InferenceDeployment  # type: ignore[import-not-found]
 
 RESYNC_S = 3  # the peering test's resync period
 
@@ -49,6 +53,24 @@ INVALID: list[tuple[str, dict[str, Any], str]] = [
         {"metric": "ttft", "percentile": 95, "seconds": 1}, {"metric": "ttft", "percentile": 95, "seconds": 2}]}}},
      "same metric and percentile twice"),
     ("reserved pod label", {"pod": {"labels": {SELECTOR: "other"}}}, "spec.pod.labels must not set"),
+    ("hostPath is the node's root", {"model": {"name": "m", "source": {"hostPath": {"path": "/"}}}},
+     "hostPath.path must not be a system directory of the node"),
+    ("hostPath under /etc", {"model": {"name": "m", "source": {"hostPath": {"path": "/etc/kubernetes/pki"}}}},
+     "hostPath.path must not be a system directory of the node"),
+    ("hostPath with a dot segment", {"model": {"name": "m", "source": {"hostPath": {"path": "/data/./m"}}}},
+     "without '.', '..' or empty ('//') segments"),
+    ("env with value and valueFrom", {"pod": {"env": [{"name": "A", "value": "x", "valueFrom": {
+        "secretKeyRef": {"name": "s", "key": "k"}}}]}}, "exactly one of value or valueFrom"),
+    ("env valueFrom with two sources", {"pod": {"env": [{"name": "A", "valueFrom": {
+        "secretKeyRef": {"name": "s", "key": "k"}, "fieldRef": {"fieldPath": "metadata.name"}}}]}},
+     "exactly one of secretKeyRef, configMapKeyRef, fieldRef or resourceFieldRef"),
+    ("env fieldRef a container cannot read", {"pod": {"env": [{"name": "A", "valueFrom": {
+        "fieldRef": {"fieldPath": "spec.containers"}}}]}}, "fieldPath must be a field a container's env can read"),
+    ("API key as a literal env", {"pod": {"env": [{"name": "KVFLEET_API_KEY", "value": "s3cret"}]}},
+     "spec.pod.env must not set KVFLEET_API_KEY"),
+    ("API key in extraArgs", {"runtime": {"extraArgs": ["--api-key", "s3cret"]}}, "must not pass --api-key"),
+    ("NetworkPolicy peer mixing ipBlock and podSelector", {"networkPolicy": {"from": [
+        {"ipBlock": {"cidr": "10.0.0.0/8"}, "podSelector": {}}]}}, "ipBlock alone, or podSelector"),
 ]
 
 
@@ -64,6 +86,61 @@ def test_apiserver_rejects_invalid_specs(cluster: LocalCluster, operator: Operat
     proc = apply_cr(cluster, body, check=False)
     assert proc.returncode != 0, f"{case}: accepted"
     assert expected in proc.stderr, f"{case}: {proc.stderr}"
+
+
+# The CRD's CEL and the pydantic models must draw the same line: each spec below goes to the apiserver (a server-side
+# dry run) and to the models, and both must accept it or both refuse it.
+AGREE_HOST_PATHS = ["/", "/etc", "/etc/", "/etcetera/m", "/proc/1/root", "/var/run/docker.sock", "/run/x", "/usr/m",
+                    "/lib64", "/var", "/var/", "/var/lib", "/var/lib/kubelet", "/var/lib/kubelet/pods/x",
+                    "/var/lib/kubelet-models/m", "/var/lib/kvfleet/models/m", "/var/log/m", "/home", "/home/ml/m",
+                    "/data/models/m", "/data/models/m/", "//data", "/data//m", "/./data", "/data/.", "/data/../etc",
+                    "/srv/a..b/m", "relative/m", "/dev", "/dev-models/m", "/boot", "/root", "/sys/fs", "/tmp/m"]
+AGREE_ENV: list[dict[str, Any]] = [
+    {"name": "A", "value": ""}, {"name": "A"}, {"name": "A", "value": "x", "valueFrom": {"fieldRef": {
+        "fieldPath": "metadata.name"}}},
+    *({"name": "A", "valueFrom": {"fieldRef": {"fieldPath": path}}} for path in (
+        "metadata.name", "metadata.labels['a/b']", "metadata.annotations['x']", "status.podIPs", "spec.nodeName",
+        "metadata.labels", "spec.containers", "status.phase")),
+    *({"name": "A", "valueFrom": {"resourceFieldRef": ref}} for ref in (
+        {"resource": "limits.memory", "divisor": "1Mi"}, {"resource": "requests.cpu", "divisor": 1},
+        {"resource": "limits.hugepages-2Mi"}, {"resource": "limits.nvidia.com/gpu"},
+        {"resource": "limits.memory", "divisor": "a lot"})),
+    {"name": "A", "valueFrom": {"secretKeyRef": {"name": "s", "key": "k"}}},
+    {"name": "A", "valueFrom": {"secretKeyRef": {"name": "S_x", "key": "k"}}},
+    {"name": "A", "valueFrom": {"configMapKeyRef": {"name": "c", "key": "k/x"}}},
+    {"name": "A", "valueFrom": {}},
+    {"name": "KVFLEET_API_KEY", "valueFrom": {"secretKeyRef": {"name": "s", "key": "k"}}},
+]
+
+
+def test_the_apiserver_and_the_models_agree(cluster: LocalCluster, operator: Operator, namespace: str,
+                                            tiny_model: Path) -> None:
+    specs: list[tuple[str, dict[str, Any]]] = []
+    for path in AGREE_HOST_PATHS:
+        body = inference_deployment("agree", namespace, tiny_model)
+        body["spec"]["model"]["source"] = {"hostPath": {"path": path}}
+        specs.append((f"hostPath {path}", body))
+    for env in AGREE_ENV:
+        specs.append((f"env {env}", inference_deployment("agree", namespace, tiny_model, pod={"env": [env]})))
+    disagree = []
+    for case, body in specs:
+        server = cluster.kubectl("apply", "--server-side", "--dry-run=server", "--field-manager=e2e-user", "-f", "-",
+                                 stdin=json.dumps(body), check=False)
+        models = _valid(body)
+        if (server.returncode == 0) != models:
+            disagree.append(f"{case}: apiserver {'accepts' if server.returncode == 0 else 'refuses'} "
+                            f"({server.stderr.strip()[-300:]}), models {'accept' if models else 'refuse'}")
+    assert not disagree, "\n".join(disagree)
+    accepted = sum(1 for _, body in specs if _valid(body))
+    assert 0 < accepted < len(specs)  # both sides of the line are exercised
+
+
+def _valid(body: dict[str, Any]) -> bool:
+    try:
+        InferenceDeployment.model_validate(body)
+    except ValidationError:
+        return False
+    return True
 
 
 def test_crd_is_established_with_printer_columns(cluster: LocalCluster, operator: Operator) -> None:
@@ -147,7 +224,9 @@ def test_operator_service_account_is_least_privilege(cluster: LocalCluster, oper
     assert can("patch", "deployments.apps", "-n", "default")
     assert can("patch", "inferencedeployments.serving.kvfleet.dev/status", "-n", "default")
     assert can("create", "events", "-n", "default")
+    assert can("patch", "networkpolicies.networking.k8s.io", "-n", "default")
     assert not can("create", "secrets", "-n", "default")
+    assert not can("get", "secrets", "-n", "default")  # API keys reach agents as secretKeyRefs the kubelet resolves
     assert not can("delete", "nodes")
     assert not can("create", "clusterrolebindings")
 

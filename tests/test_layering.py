@@ -28,7 +28,8 @@ FLOORS: dict[str, list[list[str]]] = {
         ["kvfleet_agent", "kvfleet_agent.llm", "kvfleet_agent.server", "kvfleet_agent.bench", "kvfleet_agent.cli"],
     ],
     "kvfleet_operator": [
-        ["kvfleet_operator.rules", "kvfleet_operator.models", "kvfleet_operator.status", "kvfleet_operator.crd"],
+        ["kvfleet_operator.rules", "kvfleet_operator.core_types", "kvfleet_operator.models", "kvfleet_operator.status",
+         "kvfleet_operator.crd"],
         ["kvfleet_operator.builders", "kvfleet_operator.ownership", "kvfleet_operator.kube",
          "kvfleet_operator.metrics", "kvfleet_operator.config", "kvfleet_operator.peering"],
         ["kvfleet_operator.autoscaling"],

@@ -216,11 +216,12 @@ Watch it (replicas, conditions, the last scaling decision and its reason):
   kubectl --context $CONTEXT -n $NAMESPACE get pods -l $OWNER_LABEL=$NAME -w
   kubectl --context $CONTEXT -n $OPERATOR_NS logs deployment/$OPERATOR_DEPLOY -f
 
-Make it scale (the sample has autoscaling off; each replica requests 1 CPU and 2Gi):
+Make it scale (the sample has autoscaling off; each replica requests 1 CPU and 2Gi; the agents' NetworkPolicy
+admits pods labelled serving.kvfleet.dev/client=true):
   kubectl --context $CONTEXT -n $NAMESPACE patch infd $NAME --type merge \\
     -p '{"spec": {"autoscaling": {"mode": "builtin", "minReplicas": 1, "maxReplicas": 3, "targets": {"queueDepthPerReplica": 2}}}}'
   kubectl --context $CONTEXT -n $NAMESPACE run kvfleet-load --rm -i --restart=Never --image=$AGENT_IMAGE \\
-    --image-pull-policy=IfNotPresent -- bench serve --url http://$NAME:$HTTP_PORT --concurrency 32 --duration 180 --max-tokens 64
+    --labels=serving.kvfleet.dev/client=true --image-pull-policy=IfNotPresent -- bench serve --url http://$NAME:$HTTP_PORT --concurrency 32 --duration 180 --max-tokens 64
 
 Talk to it:
   kubectl --context $CONTEXT -n $NAMESPACE port-forward service/$NAME 8000:http

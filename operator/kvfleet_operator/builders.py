@@ -1,4 +1,4 @@
-"""Pure builders: an InferenceDeployment → its Deployment, Service, PodDisruptionBudget and (rarely) ConfigMap."""
+"""Pure builders: an InferenceDeployment → its Deployment, Service, PDB, NetworkPolicy and (rarely) ConfigMap."""
 
 from __future__ import annotations
 
@@ -8,7 +8,9 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvfleet_operator.core_types import LabelSelector, NetworkPolicyPeer
 from kvfleet_operator.models import API_VERSION, KIND, InferenceDeployment, InferenceDeploymentSpec
+from kvfleet_operator.rules import API_KEY_ENV
 
 Manifest = dict[str, Any]
 
@@ -23,6 +25,11 @@ ARGS_FILE_DIR, ARGS_FILE_KEY = "/etc/kvfleet", "extra-args"
 ARGS_INLINE_LIMIT = 4096
 GPU_RESOURCE = "nvidia.com/gpu"
 STARTUP_PERIOD_SECONDS, STARTUP_FAILURES = 10, 360  # model loads may take up to an hour before /health answers
+# The NetworkPolicy admits pods of the InferenceDeployment's namespace that carry this label (routers, gateways,
+# clients), and the operator's own pods (manifests/base/operator/deployment.yaml) in the operator's namespace.
+CLIENT_LABEL, CLIENT_LABEL_VALUE = "serving.kvfleet.dev/client", "true"
+OPERATOR_POD_LABELS = {NAME_LABEL: "kvfleet-operator"}
+DEFAULT_OPERATOR_NAMESPACE = "kvfleet-system"
 
 
 @dataclass
@@ -112,11 +119,14 @@ def _resources(spec: InferenceDeploymentSpec) -> dict[str, Any]:
     return {k: v for k, v in out.items() if v}
 
 
-def _env(spec: InferenceDeploymentSpec) -> list[dict[str, str]]:
+def _env(spec: InferenceDeploymentSpec) -> list[dict[str, Any]]:
     # KVFLEET_HOST rather than --host: the local harness rebinds each agent to its pod IP through it.
-    env = {"KVFLEET_HOST": "0.0.0.0"}
-    env.update({e.name: e.value for e in spec.pod.env})  # a user value for the same name wins
-    return [{"name": k, "value": v} for k, v in env.items()]
+    env: dict[str, dict[str, Any]] = {"KVFLEET_HOST": {"name": "KVFLEET_HOST", "value": "0.0.0.0"}}
+    if (ref := spec.auth.api_key_secret_ref) is not None:
+        # A reference only: the kubelet reads the Secret, never the operator, and the key stays out of the pod spec.
+        env[API_KEY_ENV] = {"name": API_KEY_ENV, "valueFrom": {"secretKeyRef": {"name": ref.name, "key": ref.key}}}
+    env.update({e.name: e.manifest() for e in spec.pod.env})  # a user entry for the same name wins (in place)
+    return list(env.values())
 
 
 def _probe(path: str, period: int, failures: int, timeout: int) -> dict[str, Any]:
@@ -229,6 +239,56 @@ def pod_disruption_budget(cr: InferenceDeployment) -> Manifest:
     }
 
 
+def network_policy_name(name: str) -> str:
+    # Not the bare name: a NetworkPolicy named after the app is often there already, written by its team.
+    return f"{name}-agents"
+
+
+def _selector(sel: LabelSelector) -> dict[str, Any]:
+    """A label selector without empty lists; `{}` (everything) stays `{}`."""
+    out: dict[str, Any] = {}
+    if sel.match_labels:
+        out["matchLabels"] = dict(sel.match_labels)
+    if sel.match_expressions:
+        out["matchExpressions"] = [{"key": r.key, "operator": r.operator, **({"values": list(r.values)} if r.values
+                                                                              else {})}
+                                   for r in sel.match_expressions]
+    return out
+
+
+def _peer(peer: NetworkPolicyPeer) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    if peer.pod_selector is not None:
+        out["podSelector"] = _selector(peer.pod_selector)
+    if peer.namespace_selector is not None:
+        out["namespaceSelector"] = _selector(peer.namespace_selector)
+    if peer.ip_block is not None:
+        out["ipBlock"] = {"cidr": peer.ip_block.cidr, **({"except": list(peer.ip_block.except_)}
+                                                         if peer.ip_block.except_ else {})}
+    return out
+
+
+def network_policy(cr: InferenceDeployment, operator_namespace: str) -> Manifest:
+    """Ingress to the agents: HTTP and gRPC from labelled clients in the namespace and the spec's extra peers; HTTP
+    from the operator, which scrapes /metrics. Kubelet probes come from the node, which network plugins admit."""
+    name = cr.metadata.name
+
+    def ports(*numbers: int) -> list[dict[str, Any]]:
+        return [{"protocol": "TCP", "port": n} for n in numbers]
+
+    clients = [{"podSelector": {"matchLabels": {CLIENT_LABEL: CLIENT_LABEL_VALUE}}},
+               *(_peer(p) for p in cr.spec.network_policy.from_)]
+    operator = {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": operator_namespace}},
+                "podSelector": {"matchLabels": dict(OPERATOR_POD_LABELS)}}
+    return {
+        "apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy",
+        "metadata": _metadata(cr, network_policy_name(name)),
+        "spec": {"podSelector": {"matchLabels": selector_labels(name)}, "policyTypes": ["Ingress"],
+                 "ingress": [{"from": clients, "ports": ports(HTTP_PORT, GRPC_PORT)},
+                             {"from": [operator], "ports": ports(HTTP_PORT)}]},
+    }
+
+
 def args_config_map_name(name: str) -> str:
     return f"{name}-args"
 
@@ -243,14 +303,20 @@ def args_config_map(cr: InferenceDeployment) -> Manifest:
             "data": {ARGS_FILE_KEY: _args_file_text(cr.spec)}}
 
 
-def plan(cr: InferenceDeployment, default_image: str, replicas: int) -> Desired:
+def plan(cr: InferenceDeployment, default_image: str, replicas: int, *,
+         operator_namespace: str = DEFAULT_OPERATOR_NAMESPACE) -> Desired:
     """Everything one reconcile applies or removes, in apply order (the ConfigMap before the pods that mount it)."""
     out = Desired()
+    name = cr.metadata.name
     if _uses_args_file(cr.spec):
         out.apply.append(args_config_map(cr))
     else:
-        out.delete.append(("v1", "ConfigMap", args_config_map_name(cr.metadata.name)))
+        out.delete.append(("v1", "ConfigMap", args_config_map_name(name)))
     out.apply += [deployment(cr, default_image, replicas), service(cr), pod_disruption_budget(cr)]
+    if cr.spec.network_policy.enabled:
+        out.apply.append(network_policy(cr, operator_namespace))
+    else:
+        out.delete.append(("networking.k8s.io/v1", "NetworkPolicy", network_policy_name(name)))
     return out
 
 

@@ -10,7 +10,7 @@ from typing import Literal
 
 import kopf
 
-from kvfleet_operator.builders import MANAGED_BY_LABEL, MANAGER
+from kvfleet_operator.builders import DEFAULT_OPERATOR_NAMESPACE, MANAGED_BY_LABEL, MANAGER
 from kvfleet_operator.models import GROUP
 
 DEFAULT_AGENT_IMAGE = "ghcr.io/kvfleet/kvfleet-agent:0.1.0"
@@ -31,13 +31,15 @@ class OperatorConfig:
     peering: str = ""  # a KopfPeering/ClusterKopfPeering name for one active operator; empty: standalone
     peering_priority: int = 0
     post_events: bool = True
+    operator_namespace: str = DEFAULT_OPERATOR_NAMESPACE  # where the operator's pods run: agents admit them to /metrics
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> OperatorConfig:
         """Read KVFLEET_WATCH_NAMESPACE (comma-separated; empty: all), KVFLEET_AGENT_IMAGE, KVFLEET_OPERATOR_PORT,
         KVFLEET_SCRAPE_TIMEOUT_SECONDS, KVFLEET_UNSCHEDULABLE_GRACE_SECONDS, KVFLEET_RESYNC_SECONDS,
-        KVFLEET_LOG_FORMAT (json|text), KVFLEET_LOG_LEVEL, KVFLEET_PEERING, KVFLEET_PEERING_PRIORITY and
-        KVFLEET_POST_EVENTS (true|false). Raises ValueError naming the bad variable."""
+        KVFLEET_LOG_FORMAT (json|text), KVFLEET_LOG_LEVEL, KVFLEET_PEERING, KVFLEET_PEERING_PRIORITY,
+        KVFLEET_POST_EVENTS (true|false) and KVFLEET_OPERATOR_NAMESPACE (the operator pod's own namespace, from the
+        downward API; default kvfleet-system). Raises ValueError naming the bad variable."""
         env = os.environ if env is None else env
 
         def get(name: str, default: str) -> str:
@@ -85,6 +87,7 @@ class OperatorConfig:
             peering=peering,
             peering_priority=int(number("KVFLEET_PEERING_PRIORITY", "0", int)),
             post_events=events in ("true", "1", "yes"),
+            operator_namespace=get("KVFLEET_OPERATOR_NAMESPACE", DEFAULT_OPERATOR_NAMESPACE),
         )
 
     @property
@@ -111,6 +114,10 @@ class OperatorConfig:
         s.peering.priority = self.peering_priority
         s.peering.clusterwide = self.clusterwide
         s.peering.mandatory = bool(self.peering)
+        # Watching named namespaces is how single-namespace installs run, under a Role that cannot list
+        # namespaces or CRDs (cluster-scoped): serve exactly those namespaces and the CRDs present at startup
+        # rather than try, fail and warn on every start.
+        s.scanning.disabled = not self.clusterwide
         # Watch only the Deployments we manage (filtered by the apiserver, not in memory).
         s.watching.label_selectors["apps", "v1", "deployments"] = f"{MANAGED_BY_LABEL}={MANAGER}"
         s.watching.server_timeout = 270  # re-list now and then; never silently stuck on a dead watch

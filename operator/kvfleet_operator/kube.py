@@ -26,6 +26,7 @@ _KINDS: dict[str, tuple[str, str]] = {
     "Service": ("/api/v1", "services"),
     "ConfigMap": ("/api/v1", "configmaps"),
     "PodDisruptionBudget": ("/apis/policy/v1", "poddisruptionbudgets"),
+    "NetworkPolicy": ("/apis/networking.k8s.io/v1", "networkpolicies"),
     "Pod": ("/api/v1", "pods"),
     KIND: (f"/apis/{GROUP}/{VERSION}", PLURAL),
     PEERING_KIND: ("/apis/kopf.dev/v1", "clusterkopfpeerings"),

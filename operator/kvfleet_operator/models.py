@@ -1,20 +1,32 @@
-"""InferenceDeployment spec (pydantic): with status.py, the single source of the CRD schema; rules.py holds its CEL."""
+"""InferenceDeployment spec (pydantic): with core_types.py and status.py, the CRD schema's source; CEL in rules.py."""
 
 from __future__ import annotations
 
 import re
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema, field_validator, model_validator
-from pydantic.alias_generators import to_camel
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from kvfleet_operator.core_types import (
+    QUANTITY_RE,
+    EnvVar,
+    NetworkPolicyPeer,
+    Quantity,
+    SecretKeyRef,
+    SpecModel,
+    Toleration,
+)
 from kvfleet_operator.rules import (
+    API_KEY_ENV,
     BLOCK_SIZE_RULE,
     BLOCK_SIZES,
     BUILTIN_TARGET_RULE,
+    ENV_API_KEY_RULE,
+    EXTRA_ARGS_API_KEY_RULE,
     EXTRA_ARGS_RULE,
     GPU_RULE,
     HOST_PATH_RULE,
+    HOST_PATH_SYSTEM_RULE,
     IMAGE_PATH_RULE,
     LABELS_RULE,
     LATENCY_SECONDS_RULE,
@@ -28,6 +40,8 @@ from kvfleet_operator.rules import (
     SCALE_UP_POLICY_RULE,
     SOURCE_RULE,
     SUBPATH_RULE,
+    SYSTEM_PARENTS,
+    SYSTEM_SUBTREES,
     cel,
     check,
 )
@@ -40,23 +54,11 @@ KIND = "InferenceDeployment"
 PLURAL = "inferencedeployments"
 
 
-class _Model(BaseModel):
-    # Attribute docstrings become the CRD's field descriptions; camelCase in YAML, snake_case in Python.
-    model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="forbid",
-                              use_attribute_docstrings=True, validate_default=False)
-
-
-# An integer or a Kubernetes quantity string ("4", "500m", "32Gi"), as in a pod's resources.
-Quantity = Annotated[int | str, WithJsonSchema({"x-kubernetes-int-or-string": True,
-                                                "anyOf": [{"type": "integer"}, {"type": "string"}]})]
-QUANTITY_RE = re.compile(r"^[0-9]+(\.[0-9]+)?(m|k|M|G|T|P|E|Ki|Mi|Gi|Ti|Pi|Ei)?$")
-
-
 def _clean_path(path: str) -> bool:
     return "/../" not in f"/{path}/"
 
 
-class PvcSource(_Model):
+class PvcSource(SpecModel):
     """The model directory on a PersistentVolumeClaim, mounted read-only."""
 
     model_config = ConfigDict(json_schema_extra=cel(SUBPATH_RULE))
@@ -71,20 +73,35 @@ class PvcSource(_Model):
         return self
 
 
-class HostPathSource(_Model):
-    """The model directory on every node (a hostPath volume of type Directory), mounted read-only."""
+def host_path_is_clean(path: str) -> bool:
+    """HOST_PATH_RULE: absolute, without '.', '..' or empty segments ("/" passes: see host_path_is_system)."""
+    return path == "/" or (re.fullmatch(r"(/[^/]+)+/?", path) is not None and _clean_path(path)
+                           and "/./" not in f"{path}/")
 
-    model_config = ConfigDict(json_schema_extra=cel(HOST_PATH_RULE))
+
+def host_path_is_system(path: str) -> bool:
+    """HOST_PATH_SYSTEM_RULE: the node's root or a system directory (the path as written: see HostPathSource)."""
+    return (path in SYSTEM_PARENTS or path in {f"{p}/" for p in SYSTEM_PARENTS[1:]}
+            or any(f"{path}/".startswith(f"{d}/") for d in SYSTEM_SUBTREES))
+
+
+class HostPathSource(SpecModel):
+    """The model directory on every node (a hostPath volume of type Directory), mounted read-only. The path may
+    not be the node's root or a system directory (/etc, /proc, /sys, /dev, /run, /usr, /var/lib/kubelet, ...); it
+    is checked as written, so a symlink on the node pointing into one is the node administrator's to avoid."""
+
+    model_config = ConfigDict(json_schema_extra=cel(HOST_PATH_RULE, HOST_PATH_SYSTEM_RULE))
     path: str = Field(min_length=1, max_length=4096)
-    """Absolute path of the model directory on the node."""
+    """Absolute path of the model directory on the node, e.g. /data/models/llama-3-8b."""
 
     @model_validator(mode="after")
     def _absolute(self) -> HostPathSource:
-        check(self.path.startswith("/") and _clean_path(self.path), HOST_PATH_RULE)
+        check(host_path_is_clean(self.path), HOST_PATH_RULE)
+        check(not host_path_is_system(self.path), HOST_PATH_SYSTEM_RULE)
         return self
 
 
-class ImageSource(_Model):
+class ImageSource(SpecModel):
     """The model directory baked into the agent image."""
 
     model_config = ConfigDict(json_schema_extra=cel(IMAGE_PATH_RULE))
@@ -97,7 +114,7 @@ class ImageSource(_Model):
         return self
 
 
-class ModelSource(_Model):
+class ModelSource(SpecModel):
     """Where the Hugging Face checkpoint directory comes from: exactly one of pvc, hostPath or image."""
 
     model_config = ConfigDict(json_schema_extra=cel(SOURCE_RULE))
@@ -114,7 +131,7 @@ class ModelSource(_Model):
         return self
 
 
-class ModelSpec(_Model):
+class ModelSpec(SpecModel):
     """The model to serve."""
 
     name: str = Field(min_length=1, max_length=128, json_schema_extra=cel(MODEL_NAME_RULE))
@@ -129,7 +146,7 @@ class ModelSpec(_Model):
         return v
 
 
-class RuntimeSpec(_Model):
+class RuntimeSpec(SpecModel):
     """Engine settings, rendered as kvfleet-agent serve flags."""
 
     tensor_parallel_size: int = Field(default=1, ge=1, le=8)
@@ -155,8 +172,9 @@ class RuntimeSpec(_Model):
     drain_grace_period_seconds: int = Field(default=30, ge=0, le=3600)
     """Seconds accepted requests may take to finish after SIGTERM (the pod's grace period adds 15 s)."""
     extra_args: list[Annotated[str, Field(max_length=1024)]] = Field(
-        default_factory=list, max_length=64, json_schema_extra=cel(EXTRA_ARGS_RULE))
-    """Extra kvfleet-agent serve arguments, appended last (an escape hatch: later flags win)."""
+        default_factory=list, max_length=64, json_schema_extra=cel(EXTRA_ARGS_RULE, EXTRA_ARGS_API_KEY_RULE))
+    """Extra kvfleet-agent serve arguments, appended last (an escape hatch: later flags win; not --api-key, which
+    spec.auth.apiKeySecretRef gives from a Secret)."""
 
     @field_validator("block_size")
     @classmethod
@@ -168,6 +186,7 @@ class RuntimeSpec(_Model):
     @classmethod
     def _extra_args(cls, v: list[str]) -> list[str]:
         check(all("\n" not in a for a in v), EXTRA_ARGS_RULE)
+        check(all(a != "--api-key" and not a.startswith("--api-key=") for a in v), EXTRA_ARGS_API_KEY_RULE)
         return v
 
 
@@ -177,7 +196,7 @@ def _quantity(v: int | str | None) -> int | str | None:
     return v
 
 
-class ResourceList(_Model):
+class ResourceList(SpecModel):
     """CPU and memory for the agent container."""
 
     cpu: Quantity | None = Field(default=None, json_schema_extra=cel(QUANTITY_RULE) | {"maxLength": 64})
@@ -188,7 +207,7 @@ class ResourceList(_Model):
     _cpu = field_validator("cpu", "memory")(_quantity)
 
 
-class ResourcesSpec(_Model):
+class ResourcesSpec(SpecModel):
     """Resources of each replica's pod."""
 
     gpus_per_replica: int | None = Field(default=None, ge=0, le=64)
@@ -199,7 +218,7 @@ class ResourcesSpec(_Model):
     """CPU and memory limits."""
 
 
-class LatencyTarget(_Model):
+class LatencyTarget(SpecModel):
     """A latency percentile to keep under a budget, e.g. TTFT p95 <= 0.5 s."""
 
     model_config = ConfigDict(json_schema_extra=cel(LATENCY_SECONDS_RULE))
@@ -216,7 +235,7 @@ class LatencyTarget(_Model):
         return self
 
 
-class Targets(_Model):
+class Targets(SpecModel):
     """What builtin autoscaling keeps each replica under."""
 
     model_config = ConfigDict(json_schema_extra=cel(LATENCY_UNIQUE_RULE))
@@ -232,7 +251,7 @@ class Targets(_Model):
         return self
 
 
-class ScalingPolicy(_Model):
+class ScalingPolicy(SpecModel):
     """At most `value` pods (or percent of current replicas) of change per `periodSeconds`."""
 
     type: Literal["Pods", "Percent"]
@@ -243,7 +262,7 @@ class ScalingPolicy(_Model):
     """Length of the period the limit applies to."""
 
 
-class ScaleUpRules(_Model):
+class ScaleUpRules(SpecModel):
     """How fast replicas may be added (HPA behavior semantics)."""
 
     model_config = ConfigDict(json_schema_extra=cel(SCALE_UP_POLICY_RULE))
@@ -263,7 +282,7 @@ class ScaleUpRules(_Model):
         return self
 
 
-class ScaleDownRules(_Model):
+class ScaleDownRules(SpecModel):
     """How fast replicas may be removed (HPA behavior semantics)."""
 
     model_config = ConfigDict(json_schema_extra=cel(SCALE_DOWN_POLICY_RULE))
@@ -281,7 +300,7 @@ class ScaleDownRules(_Model):
         return self
 
 
-class Behavior(_Model):
+class Behavior(SpecModel):
     """Scale-up and scale-down rate limits and stabilization windows."""
 
     scale_up: ScaleUpRules = Field(default_factory=ScaleUpRules)
@@ -290,7 +309,7 @@ class Behavior(_Model):
     """Removing replicas."""
 
 
-class AutoscalingSpec(_Model):
+class AutoscalingSpec(SpecModel):
     """Who sets the replica count, and how builtin autoscaling decides."""
 
     model_config = ConfigDict(json_schema_extra=cel(MIN_MAX_RULE, BUILTIN_TARGET_RULE))
@@ -323,31 +342,7 @@ class AutoscalingSpec(_Model):
         return self
 
 
-class Toleration(_Model):
-    """A pod toleration (core/v1 Toleration)."""
-
-    key: str | None = Field(default=None, max_length=317)
-    """Taint key; empty with operator Exists tolerates everything."""
-    operator: Literal["Exists", "Equal"] | None = None
-    """Exists or Equal (the default)."""
-    value: str | None = Field(default=None, max_length=63)
-    """Taint value for operator Equal."""
-    effect: Literal["NoSchedule", "PreferNoSchedule", "NoExecute"] | None = None
-    """Taint effect to match (empty: all)."""
-    toleration_seconds: int | None = None
-    """How long a NoExecute taint is tolerated."""
-
-
-class EnvVar(_Model):
-    """An environment variable of the agent container."""
-
-    name: str = Field(min_length=1, max_length=256)
-    """Variable name."""
-    value: str = Field(default="", max_length=32768)
-    """Variable value."""
-
-
-class PodOverrides(_Model):
+class PodOverrides(SpecModel):
     """Additions to the agent pods."""
 
     node_selector: dict[str, str] = Field(default_factory=dict, max_length=64)
@@ -357,8 +352,9 @@ class PodOverrides(_Model):
     affinity: dict[str, Any] | None = Field(default=None,
                                             json_schema_extra={"x-kubernetes-preserve-unknown-fields": True})
     """A core/v1 Affinity, copied as is."""
-    env: list[EnvVar] = Field(default_factory=list, max_length=128)
-    """Extra environment variables (a name also set by the operator overrides it)."""
+    env: list[EnvVar] = Field(default_factory=list, max_length=128, json_schema_extra=cel(ENV_API_KEY_RULE))
+    """Extra environment variables, each a literal value or a valueFrom reference (a name also set by the operator
+    overrides it; KVFLEET_API_KEY is refused: use spec.auth.apiKeySecretRef)."""
     annotations: dict[str, str] = Field(default_factory=dict, max_length=64)
     """Pod annotations."""
     labels: dict[str, str] = Field(default_factory=dict, max_length=64, json_schema_extra=cel(LABELS_RULE))
@@ -374,8 +370,42 @@ class PodOverrides(_Model):
         check(not any(k in v for k in RESERVED_LABELS), LABELS_RULE)
         return v
 
+    @field_validator("env")
+    @classmethod
+    def _env(cls, v: list[EnvVar]) -> list[EnvVar]:
+        check(all(e.name != API_KEY_ENV for e in v), ENV_API_KEY_RULE)
+        return v
 
-class InferenceDeploymentSpec(_Model):
+
+class AuthSpec(SpecModel):
+    """Who may call the agents' OpenAI and gRPC APIs."""
+
+    api_key_secret_ref: SecretKeyRef | None = None
+    """The API key, from a key of a Secret in this namespace, as a pod's env valueFrom.secretKeyRef reads one. Every
+    agent then requires `Authorization: Bearer <key>` on /v1 routes and the same `authorization` metadata on gRPC
+    calls, as vLLM's --api-key does; /health, /ready and /metrics stay open for probes and Prometheus. The kubelet
+    passes it to the agent as KVFLEET_API_KEY; the operator never reads the Secret. Changing name or key rolls
+    the pods; a new value under the same key takes effect as pods restart (kubectl rollout restart deployment
+    NAME). Create one with: kubectl create secret generic NAME --from-literal=api-key=$(openssl rand -hex 32). The
+    agent refuses to start on a value with leading or trailing whitespace (as --from-file of a file ending in a
+    newline gives)."""
+
+
+class NetworkPolicySpec(SpecModel):
+    """Which pods may reach the agents' HTTP and gRPC ports."""
+
+    enabled: bool = True
+    """Render a NetworkPolicy named after this InferenceDeployment that admits the agents' HTTP and gRPC ports only
+    from pods of this namespace labelled serving.kvfleet.dev/client=true (routers, gateways, clients), from the
+    kvfleet operator's pods to the HTTP port (it scrapes /metrics), and from the peers in `from`; other ingress to
+    the agents is refused wherever the network plugin enforces NetworkPolicy. false: none (the operator deletes
+    the one it rendered)."""
+    from_: list[NetworkPolicyPeer] = Field(default_factory=list, max_length=32, alias="from")
+    """More sources admitted to both ports, as in a NetworkPolicy's ingress from, e.g. Prometheus in another
+    namespace: {namespaceSelector: {matchLabels: {kubernetes.io/metadata.name: monitoring}}}."""
+
+
+class InferenceDeploymentSpec(SpecModel):
     """Desired state: a model served by a fleet of kvfleet agents."""
 
     model_config = ConfigDict(json_schema_extra=cel(GPU_RULE))
@@ -395,6 +425,10 @@ class InferenceDeploymentSpec(_Model):
     """Who owns the replica count, and builtin autoscaling's targets."""
     pod: PodOverrides = Field(default_factory=PodOverrides)
     """Additions to the agent pods."""
+    auth: AuthSpec = Field(default_factory=AuthSpec)
+    """API key authentication of the agents (default: none)."""
+    network_policy: NetworkPolicySpec = Field(default_factory=NetworkPolicySpec)
+    """The NetworkPolicy in front of the agents (default: rendered)."""
 
     @property
     def gpus_per_replica(self) -> int:
@@ -424,7 +458,7 @@ class ObjectMeta(BaseModel):
         return v
 
 
-class InferenceDeployment(_Model):
+class InferenceDeployment(SpecModel):
     """A model served by an autoscaled fleet of kvfleet agents."""
 
     model_config = ConfigDict(extra="ignore")  # the apiserver adds fields the operator does not read

@@ -30,7 +30,7 @@ class ReconcileError(Exception):
 def child_keys(name: str) -> tuple[ChildKey, ...]:
     """Every object a reconcile of InferenceDeployment `name` may apply or delete: what the read phase reads."""
     return (("ConfigMap", builders.args_config_map_name(name)), ("Deployment", name), ("Service", name),
-            ("PodDisruptionBudget", name))
+            ("PodDisruptionBudget", name), ("NetworkPolicy", builders.network_policy_name(name)))
 
 
 @dataclass(frozen=True)
@@ -137,7 +137,7 @@ def make_plan(body: Mapping[str, Any], children: Children, cfg: OperatorConfig, 
     ours = live if owner("Deployment", name).verdict == "ours" else None
     desired = replicas if replicas is not None else builders.replicas_for(
         cr.spec, ours["spec"].get("replicas") if ours is not None else None)
-    want = builders.plan(cr, cfg.agent_image, desired)
+    want = builders.plan(cr, cfg.agent_image, desired, operator_namespace=cfg.operator_namespace)
     writes: list[Write] = []
     for obj in want.apply:
         kind = obj["kind"]

@@ -46,9 +46,6 @@ SOURCE_RULE = Rule("(has(self.pvc) ? 1 : 0) + (has(self.hostPath) ? 1 : 0) + (ha
 SUBPATH_RULE = Rule("!self.path.startsWith('/') && !('/' + self.path + '/').contains('/../')",
                     "spec.model.source.pvc.path is a sub-path inside the claim: make it relative (no leading '/') "
                     "and without '..'", ".path")
-HOST_PATH_RULE = Rule("self.path.startsWith('/') && !(self.path + '/').contains('/../')",
-                      "spec.model.source.hostPath.path must be an absolute path without '..' on the node, "
-                      "e.g. /data/models/llama-3-8b", ".path")
 IMAGE_PATH_RULE = Rule("self.path.startsWith('/') && !(self.path + '/').contains('/../')",
                        "spec.model.source.image.path must be an absolute path without '..' inside the agent image, "
                        "e.g. /opt/models/tiny", ".path")
@@ -89,3 +86,65 @@ SCALE_DOWN_POLICY_RULE = Rule("self.selectPolicy == 'Disabled' || size(self.poli
 LABELS_RULE = Rule(" && ".join(f"!('{k}' in self)" for k in RESERVED_LABELS),
                    "spec.pod.labels must not set serving.kvfleet.dev/inference-deployment or "
                    "app.kubernetes.io/managed-by (the operator selects its pods by them): remove those keys")
+
+# A hostPath model volume is mounted into pods the operator creates for whoever may create an InferenceDeployment,
+# so it must not expose the node itself: its root, its configuration and credentials, kernel interfaces, device
+# nodes, or runtime sockets (a read-only mount of a socket can still be connected to). The subtrees below are
+# refused with everything under them; the parents only as themselves (/var/lib/<app>/models is a usual place).
+SYSTEM_SUBTREES = ("/etc", "/proc", "/sys", "/dev", "/boot", "/root", "/run", "/var/run", "/usr", "/bin", "/sbin",
+                   "/lib", "/lib32", "/lib64", "/libx32", "/var/lib/kubelet", "/var/lib/containerd",
+                   "/var/lib/docker", "/var/lib/etcd", "/var/lib/cni", "/var/log")
+SYSTEM_PARENTS = ("/", "/var", "/var/lib", "/home")
+HOST_PATH_RULE = Rule(
+    # "/" passes this rule so that HOST_PATH_SYSTEM_RULE, which says why it is refused, reports it.
+    "self.path == '/' || (self.path.matches('^(/[^/]+)+/?$') && !(self.path + '/').contains('/../') && "
+    "!(self.path + '/').contains('/./'))",
+    "spec.model.source.hostPath.path must be an absolute path on the node without '.', '..' or empty ('//') "
+    "segments, e.g. /data/models/llama-3-8b", ".path")
+HOST_PATH_SYSTEM_RULE = Rule(
+    f"!(self.path in [{', '.join(repr(p) for p in SYSTEM_PARENTS + tuple(p + '/' for p in SYSTEM_PARENTS[1:]))}]) "
+    f"&& ![{', '.join(repr(p) for p in SYSTEM_SUBTREES)}].exists(d, (self.path + '/').startsWith(d + '/'))",
+    f"spec.model.source.hostPath.path must not be a system directory of the node: not {', '.join(SYSTEM_PARENTS)} "
+    f"themselves, nor {', '.join(SYSTEM_SUBTREES)} or anything under them. Keep the checkpoint in a directory of "
+    "its own, e.g. /data/models/llama-3-8b, or use a pvc source", ".path")
+
+API_KEY_ENV = "KVFLEET_API_KEY"  # the agent reads its --api-key from it
+ENV_VALUE_RULE = Rule("has(self.value) != has(self.valueFrom)",
+                      "spec.pod.env[] entries set exactly one of value or valueFrom: keep value for a literal "
+                      "(value: \"\" for an empty one), or valueFrom to read a Secret, a ConfigMap or a pod field")
+ENV_SOURCE_RULE = Rule(
+    "(has(self.secretKeyRef) ? 1 : 0) + (has(self.configMapKeyRef) ? 1 : 0) + (has(self.fieldRef) ? 1 : 0) + "
+    "(has(self.resourceFieldRef) ? 1 : 0) == 1",
+    "spec.pod.env[].valueFrom sets exactly one of secretKeyRef, configMapKeyRef, fieldRef or resourceFieldRef: "
+    "keep one and remove the others")
+# What a container's env may read through the downward API (core/v1 validation of env fieldRef). The rules below
+# write their patterns as CEL raw strings (r"..."): they hold backslashes and quotes.
+FIELD_PATH_PATTERN = (r"^(metadata\.(name|namespace|uid|labels\['[^']+'\]|annotations\['[^']+'\])|"
+                      r"spec\.(nodeName|serviceAccountName)|status\.(hostIP|hostIPs|podIP|podIPs))$")
+FIELD_PATH_RULE = Rule(f'self.fieldPath.matches(r"{FIELD_PATH_PATTERN}")',
+                       "spec.pod.env[].valueFrom.fieldRef.fieldPath must be a field a container's env can read: "
+                       "metadata.name, metadata.namespace, metadata.uid, metadata.labels['KEY'], "
+                       "metadata.annotations['KEY'], spec.nodeName, spec.serviceAccountName, status.hostIP(s) or "
+                       "status.podIP(s)", ".fieldPath")
+RESOURCE_PATTERN = r"^(limits|requests)\.(cpu|memory|ephemeral-storage|hugepages-[^.]+)$"
+QUANTITY_PATTERN = r"^[0-9]+(\.[0-9]+)?(m|k|M|G|T|P|E|Ki|Mi|Gi|Ti|Pi|Ei)?$"
+RESOURCE_FIELD_RULE = Rule(f'self.resource.matches(r"{RESOURCE_PATTERN}") && (!has(self.divisor) || '
+                           f'type(self.divisor) == int || string(self.divisor).matches(r"{QUANTITY_PATTERN}"))',
+                           "spec.pod.env[].valueFrom.resourceFieldRef needs resource limits.X or requests.X, X one "
+                           "of cpu, memory, ephemeral-storage or hugepages-SIZE, and a divisor that is a quantity, "
+                           "e.g. {resource: limits.memory, divisor: 1Mi}")
+ENV_API_KEY_RULE = Rule(f"self.all(e, e.name != '{API_KEY_ENV}')",
+                        f"spec.pod.env must not set {API_KEY_ENV}: give the key through spec.auth.apiKeySecretRef "
+                        "(a Secret), which keeps it out of the pod spec")
+EXTRA_ARGS_API_KEY_RULE = Rule("self.all(a, a != '--api-key' && !a.startsWith('--api-key='))",
+                               "spec.runtime.extraArgs must not pass --api-key (the key would be readable in the "
+                               "pod spec): give it through spec.auth.apiKeySecretRef (a Secret)")
+PEER_RULE = Rule("has(self.ipBlock) ? !has(self.podSelector) && !has(self.namespaceSelector) : "
+                 "(has(self.podSelector) || has(self.namespaceSelector))",
+                 "spec.networkPolicy.from[] entries set ipBlock alone, or podSelector and/or namespaceSelector "
+                 "(as in a NetworkPolicy's ingress from): give each entry one of these, and split one that mixes "
+                 "ipBlock with a selector")
+SELECTOR_RULE = Rule("self.operator in ['In', 'NotIn'] ? has(self.values) && size(self.values) > 0 : "
+                     "!has(self.values) || size(self.values) == 0",
+                     "spec.networkPolicy.from[] matchExpressions need values with In and NotIn, and none with "
+                     "Exists and DoesNotExist")

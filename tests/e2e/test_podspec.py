@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "e2e"))
-from podspec import KWOK_AGENT_EXCLUSION, expand, process_spec, runs_agent
+from podspec import KWOK_AGENT_EXCLUSION, configmap_names, env_object_names, expand, process_spec, runs_agent
 
 IP, HOST_IP = "10.250.128.7", "10.249.0.1"
 
@@ -75,3 +75,33 @@ def test_probe_periods_are_capped_but_keep_their_failure_budget(tmp_path: Path) 
 def test_unsupported_probes_are_refused_not_ignored(tmp_path: Path, probe: dict[str, Any]) -> None:
     with pytest.raises(ValueError, match="readinessProbe"):
         translate(pod({"readinessProbe": probe}), tmp_path)
+
+
+def test_env_reads_secrets_and_config_maps_by_key(tmp_path: Path) -> None:
+    def ref(kind: str, name: str, key: str, **extra: Any) -> dict[str, Any]:
+        return {kind: {"name": name, "key": key, **extra}}
+
+    p = pod({"env": [{"name": "KVFLEET_API_KEY", "valueFrom": ref("secretKeyRef", "auth", "api-key")},
+                     {"name": "LEVEL", "valueFrom": ref("configMapKeyRef", "settings", "level")},
+                     {"name": "GONE", "valueFrom": ref("secretKeyRef", "absent", "k", optional=True)},
+                     {"name": "NOKEY", "valueFrom": ref("configMapKeyRef", "settings", "nope", optional=True)},
+                     {"name": "ECHO", "value": "$(LEVEL)"}]})
+    spec = translate(p, tmp_path, configmaps={"settings": {"level": "DEBUG"}}, secrets={"auth": {"api-key": "k1"}})
+    assert (spec.env["KVFLEET_API_KEY"], spec.env["LEVEL"], spec.env["ECHO"]) == ("k1", "DEBUG", "DEBUG")
+    assert "GONE" not in spec.env and "NOKEY" not in spec.env  # optional and missing: left out
+    # A required reference that cannot be resolved keeps the pod from starting (retried, as CreateContainerConfigError).
+    with pytest.raises(ValueError, match="secret 'auth' not found"):
+        translate(p, tmp_path, configmaps={"settings": {"level": "DEBUG"}})
+    with pytest.raises(ValueError, match="configmap 'settings' has no key 'level'"):
+        translate(p, tmp_path, configmaps={"settings": {}}, secrets={"auth": {"api-key": "k1"}})
+    resource = pod({"env": [{"name": "M", "valueFrom": {"resourceFieldRef": {"resource": "limits.memory"}}}]})
+    with pytest.raises(ValueError, match="not supported by the process kubelet"):
+        translate(resource, tmp_path)
+
+
+def test_env_object_names_are_fetched_before_start() -> None:
+    p = pod({"env": [{"name": "A", "valueFrom": {"secretKeyRef": {"name": "s", "key": "k"}}},
+                     {"name": "B", "valueFrom": {"configMapKeyRef": {"name": "c", "key": "k"}}},
+                     {"name": "C", "value": "x"}]}, volumes=[{"name": "v", "configMap": {"name": "vol"}}])
+    assert env_object_names(p) == {"configmaps": {"c"}, "secrets": {"s"}}
+    assert configmap_names(p) == {"vol"}  # volumes must exist; env references may be optional

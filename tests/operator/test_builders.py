@@ -65,6 +65,11 @@ def test_golden_inputs_cover_every_source_and_override() -> None:
                 "service_account_name"):
         assert getattr(full.pod, key), key
     assert full.resources.requests and full.resources.limits and full.runtime.extra_args
+    assert any(s.auth.api_key_secret_ref for s in specs) and not all(s.network_policy.enabled for s in specs)
+    sources = {k for s in specs for e in s.pod.env if e.value_from
+               for k, v in e.value_from.model_dump(exclude_none=True).items() if v}
+    assert sources == {"secret_key_ref", "config_map_key_ref", "field_ref", "resource_field_ref"}
+    assert any(s.network_policy.from_ for s in specs)
 
 
 def _deployment(spec: dict[str, Any], replicas: int = 1) -> dict[str, Any]:
@@ -84,10 +89,51 @@ def test_config_hash_follows_the_pod_not_the_replicas() -> None:
     assert _hash(_deployment(BASE, replicas=5)) == base
     assert _hash(_deployment({**BASE, "replicas": 7})) == base
     assert _hash(_deployment({**BASE, "autoscaling": {"maxReplicas": 9}})) == base
+    assert _hash(_deployment({**BASE, "networkPolicy": {"enabled": False}})) == base  # not a pod's concern
     for change in ({"runtime": {"maxNumSeqs": 64}}, {"runtime": {"extraArgs": ["--seed", "3"]}},
                    {"image": "other:1"}, {"pod": {"env": [{"name": "A", "value": "b"}]}},
+                   {"pod": {"env": [{"name": "A", "valueFrom": {"secretKeyRef": {"name": "s", "key": "b"}}}]}},
                    {"resources": {"requests": {"memory": "1Gi"}}}):
         assert _hash(_deployment({**BASE, **change})) != base, change
+
+
+def _api_key(name: str, key: str) -> dict[str, Any]:
+    return {**BASE, "auth": {"apiKeySecretRef": {"name": name, "key": key}}}
+
+
+def test_the_api_key_is_a_secret_reference_and_changing_it_rolls_the_pods() -> None:
+    d = _deployment(_api_key("llama-key", "api-key"))
+    [c] = d["spec"]["template"]["spec"]["containers"]
+    env = {e["name"]: e for e in c["env"]}
+    assert env["KVFLEET_API_KEY"] == {"name": "KVFLEET_API_KEY",
+                                      "valueFrom": {"secretKeyRef": {"name": "llama-key", "key": "api-key"}}}
+    # The probes hit the endpoints the agent keeps open, so they need no key.
+    assert {c[p]["httpGet"]["path"] for p in ("startupProbe", "readinessProbe", "livenessProbe")} == {
+        "/health", "/ready"}
+    hashes = {_hash(_deployment(spec)) for spec in (BASE, _api_key("llama-key", "api-key"),
+                                                    _api_key("llama-key", "rotated"), _api_key("other", "api-key"))}
+    assert len(hashes) == 4
+
+
+def test_pod_env_overrides_keep_their_place_and_value_from() -> None:
+    pod_ip = {"fieldRef": {"fieldPath": "status.podIP"}}
+    env_in = [{"name": "A", "valueFrom": pod_ip}, {"name": "KVFLEET_HOST", "valueFrom": pod_ip}]
+    d = _deployment({**BASE, "auth": {"apiKeySecretRef": {"name": "k", "key": "v"}}, "pod": {"env": env_in}})
+    env = d["spec"]["template"]["spec"]["containers"][0]["env"]
+    assert [e["name"] for e in env] == ["KVFLEET_HOST", "KVFLEET_API_KEY", "A"]
+    assert env[0] == {"name": "KVFLEET_HOST", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}
+
+
+def test_the_agent_reads_its_api_key_from_the_variable_the_pod_sets(monkeypatch: pytest.MonkeyPatch) -> None:
+    from kvfleet_agent import cli
+
+    seen: list[argparse.Namespace] = []
+    monkeypatch.setattr(cli, "_serve", lambda a: seen.append(a) or 0)
+    monkeypatch.setenv("KVFLEET_API_KEY", "s3cret")
+    env = _deployment(_api_key("k", "v"))["spec"]["template"]["spec"]["containers"][0]["env"]
+    assert "KVFLEET_API_KEY" in {e["name"] for e in env}
+    assert cli.main(agent_args(InferenceDeploymentSpec.model_validate(BASE))) == 0
+    assert seen[0].api_key == "s3cret"
 
 
 def test_config_hash_covers_the_args_file() -> None:

@@ -19,12 +19,15 @@ def test_everything_from_env() -> None:
         "KVFLEET_WATCH_NAMESPACE": "team-a, team-b", "KVFLEET_AGENT_IMAGE": "r/agent:1", "KVFLEET_OPERATOR_PORT": "0",
         "KVFLEET_SCRAPE_TIMEOUT_SECONDS": "0.5", "KVFLEET_LOG_FORMAT": "text", "KVFLEET_LOG_LEVEL": "debug",
         "KVFLEET_PEERING_PRIORITY": "10", "KVFLEET_POST_EVENTS": "false",
-        "KVFLEET_UNSCHEDULABLE_GRACE_SECONDS": "30", "KVFLEET_RESYNC_SECONDS": "120"})
+        "KVFLEET_UNSCHEDULABLE_GRACE_SECONDS": "30", "KVFLEET_RESYNC_SECONDS": "120",
+        "KVFLEET_OPERATOR_NAMESPACE": "ml-serving"})
     assert cfg.namespaces == ("team-a", "team-b") and not cfg.clusterwide
     assert (cfg.agent_image, cfg.port, cfg.scrape_timeout_seconds, cfg.log_format, cfg.log_level) == (
         "r/agent:1", 0, 0.5, "text", "DEBUG")
     assert (cfg.peering, cfg.peering_priority, cfg.post_events) == ("", 10, False)
     assert (cfg.unschedulable_grace_seconds, cfg.resync_seconds) == (30.0, 120.0)
+    assert cfg.operator_namespace == "ml-serving"
+    assert OperatorConfig.from_env({}).operator_namespace == "kvfleet-system"
 
 
 def test_namespaced_watching_with_peering_is_refused() -> None:
@@ -54,3 +57,10 @@ def test_kopf_settings() -> None:
     assert s.posting.reporting_component == "kvfleet-operator"
     assert list(s.watching.label_selectors.values()) == ["app.kubernetes.io/managed-by=kvfleet-operator"]
     assert OperatorConfig().settings().peering.standalone
+    assert not OperatorConfig().settings().scanning.disabled  # cluster-wide: CRDs and namespaces come and go
+
+
+def test_watching_named_namespaces_needs_no_cluster_scoped_reads() -> None:
+    # A single-namespace install's Role cannot list namespaces or CRDs: kopf must not try.
+    s = OperatorConfig.from_env({"KVFLEET_WATCH_NAMESPACE": "ml-serving"}).settings()
+    assert s.scanning.disabled and s.peering.standalone and not s.peering.clusterwide

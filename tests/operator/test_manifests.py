@@ -1,5 +1,5 @@
-"""manifests/: the kustomize base renders with the default load restrictor, RBAC covers what the operator
-touches, and the samples are valid InferenceDeployments."""
+"""manifests/: the kustomize base and the single-namespace overlay render with the default load restrictor, RBAC
+covers what the operator touches (cluster-wide or in one namespace), and the samples are valid InferenceDeployments."""
 
 from __future__ import annotations
 
@@ -13,7 +13,8 @@ import pytest
 import yaml
 
 from kvfleet_operator import kube
-from kvfleet_operator.builders import plan
+from kvfleet_operator.builders import OPERATOR_POD_LABELS, network_policy, plan
+from kvfleet_operator.config import OperatorConfig
 from kvfleet_operator.models import InferenceDeployment
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -29,19 +30,22 @@ def kubectl() -> str | None:
     return str(path) if path and path.exists() else None
 
 
+SINGLE_NAMESPACE = ROOT / "manifests" / "overlays" / "single-namespace"
+
+
 @cache
-def rendered() -> list[dict[str, Any]]:
+def rendered(kustomization: Path = ROOT / "manifests" / "base") -> list[dict[str, Any]]:
     binary = kubectl()
     if binary is None:
         pytest.skip("kubectl not built (bash e2e/build.sh builds it)")
-    p = subprocess.run([binary, "kustomize", str(ROOT / "manifests" / "base")], capture_output=True, text=True,
-                       timeout=60)
+    p = subprocess.run([binary, "kustomize", str(kustomization)], capture_output=True, text=True, timeout=60)
     assert p.returncode == 0, p.stderr
     return [d for d in yaml.safe_load_all(p.stdout) if d]
 
 
-def find(kind: str, name: str | None = None) -> dict[str, Any]:
-    return next(d for d in rendered() if d["kind"] == kind and (name is None or d["metadata"]["name"] == name))
+def find(kind: str, name: str | None = None, docs: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    return next(d for d in (rendered() if docs is None else docs)
+                if d["kind"] == kind and (name is None or d["metadata"]["name"] == name))
 
 
 def test_base_renders_the_crds_and_the_operator() -> None:
@@ -63,8 +67,8 @@ def test_base_renders_the_crds_and_the_operator() -> None:
             assert d["metadata"]["namespace"] == "kvfleet-system"
 
 
-def _verbs(group: str, resource: str) -> set[str]:
-    return {v for r in find("ClusterRole")["rules"] if group in r["apiGroups"] and resource in r["resources"]
+def _verbs(group: str, resource: str, role: dict[str, Any] | None = None) -> set[str]:
+    return {v for r in (role or find("ClusterRole"))["rules"] if group in r["apiGroups"] and resource in r["resources"]
             for v in r["verbs"]}
 
 
@@ -77,16 +81,18 @@ def _allowed(group: str, resource: str, verb: str) -> bool:
 # peering objects: kopf watches and patches them, peering.py lists them).
 CALLS = {"Deployment": {"get", "list", "watch", "create", "patch"}, "Service": {"get", "create", "patch"},
          "PodDisruptionBudget": {"get", "create", "patch"}, "ConfigMap": {"get", "create", "patch", "delete"},
+         "NetworkPolicy": {"get", "create", "patch", "delete"},
          "Pod": {"list"}, "InferenceDeployment": {"get", "list", "watch", "patch"},
          "ClusterKopfPeering": {"list", "watch", "patch"}}
+GROUPS = {"/api/v1": "", "/apis/apps/v1": "apps", "/apis/policy/v1": "policy",
+          "/apis/networking.k8s.io/v1": "networking.k8s.io",
+          "/apis/serving.kvfleet.dev/v1alpha1": "serving.kvfleet.dev", "/apis/kopf.dev/v1": "kopf.dev"}
 
 
 def test_rbac_covers_every_call_and_no_more() -> None:
-    groups = {"/api/v1": "", "/apis/apps/v1": "apps", "/apis/policy/v1": "policy",
-              "/apis/serving.kvfleet.dev/v1alpha1": "serving.kvfleet.dev", "/apis/kopf.dev/v1": "kopf.dev"}
     assert set(kube._KINDS) == set(CALLS)
     for kind, (prefix, plural) in kube._KINDS.items():
-        assert _verbs(groups[prefix], plural) == CALLS[kind], kind
+        assert _verbs(GROUPS[prefix], plural) == CALLS[kind], kind
     assert _verbs("serving.kvfleet.dev", "inferencedeployments/status") == {"patch"}
     # blockOwnerDeletion on the owner references needs this under OwnerReferencesPermissionEnforcement.
     assert _verbs("serving.kvfleet.dev", "inferencedeployments/finalizers") == {"update"}
@@ -107,8 +113,67 @@ def test_operator_deployment_is_locked_down() -> None:
     assert c["securityContext"] == {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True,
                                     "capabilities": {"drop": ["ALL"]}}
     assert c["livenessProbe"]["httpGet"]["path"] == "/healthz"
-    env = {e["name"]: e["value"] for e in c["env"]}
+    env = {e["name"]: e.get("value", e.get("valueFrom")) for e in c["env"]}
     assert env["KVFLEET_PEERING"] == find("ClusterKopfPeering")["metadata"]["name"]
+
+
+def _downward_env(deployment: dict[str, Any]) -> dict[str, str]:
+    """The operator container's environment as its kubelet would resolve it (metadata.namespace references)."""
+    [c] = deployment["spec"]["template"]["spec"]["containers"]
+    out = {}
+    for e in c["env"]:
+        if "valueFrom" in e:
+            assert e["valueFrom"] == {"fieldRef": {"fieldPath": "metadata.namespace"}}, e
+            out[e["name"]] = deployment["metadata"]["namespace"]
+        else:
+            out[e["name"]] = e["value"]
+    return out
+
+
+def test_agents_network_policies_admit_the_operator_pods_as_installed() -> None:
+    dep = find("Deployment", "kvfleet-operator")
+    cfg = OperatorConfig.from_env(_downward_env(dep))
+    assert cfg.operator_namespace == "kvfleet-system"
+    cr = InferenceDeployment.model_validate(yaml.safe_load((ROOT / "manifests/samples/tiny-cpu.yaml").read_text())
+                                            | {"metadata": {"name": "tiny", "namespace": "team-a"}})
+    [operator_peer] = network_policy(cr, cfg.operator_namespace)["spec"]["ingress"][1]["from"]
+    namespace = find("Namespace", "kvfleet-system")
+    namespace_labels = {"kubernetes.io/metadata.name": namespace["metadata"]["name"]}  # set by the apiserver
+    assert operator_peer["namespaceSelector"]["matchLabels"].items() <= namespace_labels.items()
+    assert operator_peer["podSelector"]["matchLabels"].items() <= dep["spec"]["template"]["metadata"]["labels"].items()
+    assert operator_peer["podSelector"]["matchLabels"] == OPERATOR_POD_LABELS
+
+
+def test_single_namespace_overlay_needs_no_cluster_scoped_rights() -> None:
+    docs = rendered(SINGLE_NAMESPACE)
+    assert {(d["kind"], d["metadata"]["name"]) for d in docs} == {
+        ("ServiceAccount", "kvfleet-operator"), ("Role", "kvfleet-operator"), ("RoleBinding", "kvfleet-operator"),
+        ("Deployment", "kvfleet-operator"), ("Service", "kvfleet-operator-metrics")}  # no CRDs, no Namespace
+    namespace = find("Deployment", docs=docs)["metadata"]["namespace"]
+    assert {d["metadata"]["namespace"] for d in docs} == {namespace}
+    role, binding = find("Role", docs=docs), find("RoleBinding", docs=docs)
+    assert binding["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": "kvfleet-operator"}
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "kvfleet-operator", "namespace": namespace}]
+    # The ClusterRole's rules, less kopf's cluster-wide peering and its CRD and namespace watches.
+    cluster_only = {"clusterkopfpeerings", "customresourcedefinitions", "namespaces"}
+    assert role["rules"] == [r for r in find("ClusterRole")["rules"] if not set(r["resources"]) & cluster_only]
+    for kind, (prefix, plural) in kube._KINDS.items():
+        assert _verbs(GROUPS[prefix], plural, role) == (set() if kind == "ClusterKopfPeering" else CALLS[kind]), kind
+    # The operator watches its own namespace only, standalone (peering is cluster-wide), and kopf reads nothing
+    # cluster-scoped.
+    cfg = OperatorConfig.from_env(_downward_env(find("Deployment", docs=docs)))
+    assert cfg.namespaces == (namespace,) and cfg.peering == "" and cfg.operator_namespace == namespace
+    assert cfg.settings().scanning.disabled
+
+
+def test_single_namespace_overlay_follows_a_wrapping_namespace(tmp_path: Path) -> None:
+    """A GitOps repository wraps the overlay and sets its own namespace: the RoleBinding's subject follows."""
+    (tmp_path / "kustomization.yaml").write_text(yaml.safe_dump({
+        "apiVersion": "kustomize.config.k8s.io/v1beta1", "kind": "Kustomization", "namespace": "team-a",
+        "resources": [os.path.relpath(SINGLE_NAMESPACE, tmp_path)]}))
+    docs = rendered(tmp_path)
+    assert {d["metadata"]["namespace"] for d in docs} == {"team-a"}
+    assert find("RoleBinding", docs=docs)["subjects"][0]["namespace"] == "team-a"
 
 
 @pytest.mark.parametrize("path", SAMPLES, ids=[p.stem for p in SAMPLES])

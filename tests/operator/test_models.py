@@ -48,7 +48,88 @@ CASES: list[tuple[str, dict[str, Any], rules.Rule]] = [
     ("empty scaleDown policies", {"autoscaling": {"behavior": {"scaleDown": {"policies": []}}}},
      rules.SCALE_DOWN_POLICY_RULE),
     ("selector label override", {"pod": {"labels": {"app.kubernetes.io/managed-by": "me"}}}, rules.LABELS_RULE),
+    ("hostPath /", {"model": {"name": "m", "source": {"hostPath": {"path": "/"}}}}, rules.HOST_PATH_SYSTEM_RULE),
+    ("hostPath with //", {"model": {"name": "m", "source": {"hostPath": {"path": "//etc"}}}}, rules.HOST_PATH_RULE),
+    ("env with value and valueFrom", {"pod": {"env": [{"name": "A", "value": "x", "valueFrom": {
+        "secretKeyRef": {"name": "s", "key": "k"}}}]}}, rules.ENV_VALUE_RULE),
+    ("env with neither", {"pod": {"env": [{"name": "A"}]}}, rules.ENV_VALUE_RULE),
+    ("valueFrom with two sources", {"pod": {"env": [{"name": "A", "valueFrom": {
+        "secretKeyRef": {"name": "s", "key": "k"}, "configMapKeyRef": {"name": "c", "key": "k"}}}]}},
+     rules.ENV_SOURCE_RULE),
+    ("valueFrom with none", {"pod": {"env": [{"name": "A", "valueFrom": {}}]}}, rules.ENV_SOURCE_RULE),
+    ("fieldRef to spec.containers", {"pod": {"env": [{"name": "A", "valueFrom": {
+        "fieldRef": {"fieldPath": "spec.containers"}}}]}}, rules.FIELD_PATH_RULE),
+    ("resourceFieldRef to limits.gpu", {"pod": {"env": [{"name": "A", "valueFrom": {
+        "resourceFieldRef": {"resource": "limits.nvidia.com/gpu"}}}]}}, rules.RESOURCE_FIELD_RULE),
+    ("resourceFieldRef divisor", {"pod": {"env": [{"name": "A", "valueFrom": {
+        "resourceFieldRef": {"resource": "limits.memory", "divisor": "one MiB"}}}]}}, rules.RESOURCE_FIELD_RULE),
+    ("API key as a pod env", {"pod": {"env": [{"name": "KVFLEET_API_KEY", "value": "s3cret"}]}},
+     rules.ENV_API_KEY_RULE),
+    ("API key in extraArgs", {"runtime": {"extraArgs": ["--api-key=s3cret"]}}, rules.EXTRA_ARGS_API_KEY_RULE),
+    ("peer mixing ipBlock and a selector", {"networkPolicy": {"from": [
+        {"ipBlock": {"cidr": "10.0.0.0/8"}, "podSelector": {}}]}}, rules.PEER_RULE),
+    ("empty peer", {"networkPolicy": {"from": [{}]}}, rules.PEER_RULE),
+    ("In without values", {"networkPolicy": {"from": [{"namespaceSelector": {"matchExpressions": [
+        {"key": "team", "operator": "In"}]}}]}}, rules.SELECTOR_RULE),
 ]
+
+# Refused: the node's root, system directories and what lies under them, and non-canonical spellings of them.
+SYSTEM_HOST_PATHS = ["/", "/etc", "/etc/", "/etc/kubernetes/pki", "/proc/1/root", "/sys", "/dev/nvidia0", "/boot",
+                     "/root/.ssh", "/run/containerd/containerd.sock", "/var/run/docker.sock", "/usr", "/usr/local/m",
+                     "/bin", "/sbin", "/lib/modules", "/lib64", "/var/lib/kubelet/pods", "/var/lib/containerd",
+                     "/var/lib/docker/volumes", "/var/lib/etcd", "/var/log/pods", "/var", "/var/", "/var/lib",
+                     "/var/lib/", "/home", "/home/"]
+NON_CANONICAL_HOST_PATHS = ["//etc", "/./etc", "/etc/.", "/data/../etc", "/data//m", "relative/m", "/data/m//"]
+# Accepted: directories of their own, including names that merely start like a system directory.
+MODEL_HOST_PATHS = ["/data/models/llama", "/var/lib/kvfleet/models/tiny-llama", "/home/ml/models", "/mnt/nvme/m",
+                    "/opt/models/", "/etcetera", "/dev-models/m", "/var/lib/kubelet-models", "/srv/x..y/m", "/tmp/m"]
+
+
+@pytest.mark.parametrize("path", SYSTEM_HOST_PATHS)
+def test_host_path_refuses_system_directories(path: str) -> None:
+    with pytest.raises(ValidationError) as e:
+        spec({"model": {"name": "m", "source": {"hostPath": {"path": path}}}})
+    assert rules.HOST_PATH_SYSTEM_RULE.message in str(e.value)
+    assert "spec.model.source.hostPath.path" in rules.HOST_PATH_SYSTEM_RULE.message  # names the field and the fix
+    assert "e.g. /data/models/llama-3-8b" in rules.HOST_PATH_SYSTEM_RULE.message
+
+
+@pytest.mark.parametrize("path", NON_CANONICAL_HOST_PATHS)
+def test_host_path_must_be_written_plainly(path: str) -> None:
+    with pytest.raises(ValidationError) as e:
+        spec({"model": {"name": "m", "source": {"hostPath": {"path": path}}}})
+    assert rules.HOST_PATH_RULE.message in str(e.value)
+
+
+@pytest.mark.parametrize("path", MODEL_HOST_PATHS)
+def test_host_path_accepts_model_directories(path: str) -> None:
+    source = spec({"model": {"name": "m", "source": {"hostPath": {"path": path}}}}).model.source.host_path
+    assert source is not None and source.path == path
+
+
+def test_env_value_from_every_source_round_trips() -> None:
+    env = [{"name": "S", "valueFrom": {"secretKeyRef": {"name": "s", "key": "k", "optional": False}}},
+           {"name": "C", "valueFrom": {"configMapKeyRef": {"name": "c.d", "key": "a_b-c.d"}}},
+           {"name": "F", "valueFrom": {"fieldRef": {"fieldPath": "metadata.annotations['x/y']"}}},
+           {"name": "R", "valueFrom": {"resourceFieldRef": {"resource": "requests.hugepages-2Mi", "divisor": 1}}},
+           {"name": "E", "value": ""}]
+    s = spec({"pod": {"env": env}})
+    assert [e.manifest() for e in s.pod.env] == [
+        *env[:3], {"name": "R", "valueFrom": {"resourceFieldRef": {"resource": "requests.hugepages-2Mi",
+                                                                   "divisor": "1"}}}, env[4]]
+    for bad_ref in ({"name": "Bad_Name", "key": "k"}, {"name": "s", "key": "a/b"}, {"name": "s"}):
+        with pytest.raises(ValidationError):
+            spec({"pod": {"env": [{"name": "A", "valueFrom": {"secretKeyRef": bad_ref}}]}})
+
+
+def test_api_key_secret_ref_is_a_name_and_a_key() -> None:
+    ref = spec({"auth": {"apiKeySecretRef": {"name": "llama-key", "key": "api-key"}}}).auth.api_key_secret_ref
+    assert ref is not None and (ref.name, ref.key) == ("llama-key", "api-key")
+    assert spec({}).auth.api_key_secret_ref is None
+    for bad in ({"name": "k"}, {"name": "k", "key": "api-key", "optional": True}, {"secretName": "k", "key": "x"}):
+        with pytest.raises(ValidationError):
+            spec({"auth": {"apiKeySecretRef": bad}})  # optional would silently serve an open API
+    assert spec({"runtime": {"extraArgs": ["--api-key-file-is-not-a-flag"]}})  # only --api-key itself is refused
 
 
 def spec(patch: dict[str, Any]) -> InferenceDeploymentSpec:

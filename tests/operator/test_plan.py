@@ -45,7 +45,7 @@ def verdicts(plan: Any) -> list[tuple[str, str]]:
 
 def test_the_children_to_read_are_every_object_the_plan_may_touch() -> None:
     assert child_keys("m") == (("ConfigMap", "m-args"), ("Deployment", "m"), ("Service", "m"),
-                               ("PodDisruptionBudget", "m"))
+                               ("PodDisruptionBudget", "m"), ("NetworkPolicy", "m-agents"))
 
 
 def test_a_new_object_writes_everything_and_deletes_nothing_of_ours() -> None:
@@ -54,7 +54,8 @@ def test_a_new_object_writes_everything_and_deletes_nothing_of_ours() -> None:
     plan = make_plan(body, read(), CFG, None)
     assert body == before  # pure: the input is left as it was
     assert plan.invalid is None and (plan.namespace, plan.name, plan.desired, plan.builtin) == ("ns", "m", 2, False)
-    assert verdicts(plan) == [("Deployment", "absent"), ("Service", "absent"), ("PodDisruptionBudget", "absent")]
+    assert verdicts(plan) == [("Deployment", "absent"), ("Service", "absent"), ("PodDisruptionBudget", "absent"),
+                              ("NetworkPolicy", "absent")]
     assert all(w.refusal is None for w in plan.writes)
     assert plan.writes[0].manifest["spec"]["template"]["spec"]["containers"][0]["image"] == "agent:test"
     [gone] = plan.deletes  # the args ConfigMap, not needed: there is none, so it is not ours to delete
@@ -69,7 +70,8 @@ def test_a_new_object_writes_everything_and_deletes_nothing_of_ours() -> None:
 def test_a_namesake_we_do_not_control_is_refused_with_its_reason(owner_uid: str | None, owner_kind: str,
                                                                  verdict: str, reason: str, permanent: bool) -> None:
     plan = make_plan(cr(), read(Service=child("Service", owner_uid=owner_uid, owner_kind=owner_kind)), CFG, None)
-    assert verdicts(plan) == [("Deployment", "absent"), ("Service", verdict), ("PodDisruptionBudget", "absent")]
+    assert verdicts(plan) == [("Deployment", "absent"), ("Service", verdict), ("PodDisruptionBudget", "absent"),
+                              ("NetworkPolicy", "absent")]
     refusal = plan.writes[1].refusal
     assert isinstance(refusal, ReconcileError)
     assert (refusal.reason, refusal.permanent) == (reason, permanent) and "Service ns/m" in refusal.message
@@ -91,7 +93,7 @@ def test_our_live_deployment_is_reported_and_keeps_the_autoscalers_replicas() ->
 def test_the_deployment_needs_the_args_config_map_applied_first() -> None:
     plan = make_plan(cr(LONG_ARGS), read(), CFG, None)
     assert [w.key for w in plan.writes] == [("ConfigMap", "m-args"), ("Deployment", "m"), ("Service", "m"),
-                                            ("PodDisruptionBudget", "m")]
+                                            ("PodDisruptionBudget", "m"), ("NetworkPolicy", "m-agents")]
     assert plan.writes[1].needs == (("ConfigMap", "m-args"),) and plan.writes[2].needs == ()
     assert plan.deletes == ()
 
@@ -101,6 +103,23 @@ def test_only_our_config_map_is_deleted_and_only_that_very_object() -> None:
     assert [(d.kind, d.name, d.uid, d.ours) for d in ours.deletes] == [("ConfigMap", "m-args", "cm-7", True)]
     theirs = make_plan(cr(), read(ConfigMap=child("ConfigMap", "m-args", owner_uid=None)), CFG, None)
     assert [d.ours for d in theirs.deletes] == [False]
+
+
+def test_the_network_policy_admits_the_configured_operator_namespace_and_goes_when_disabled() -> None:
+    cfg = OperatorConfig(agent_image="agent:test", operator_namespace="ops")
+    [policy] = [w.manifest for w in make_plan(cr(), read(), cfg, None).writes if w.key[0] == "NetworkPolicy"]
+    operator_peer = policy["spec"]["ingress"][1]["from"][0]
+    assert operator_peer["namespaceSelector"] == {"matchLabels": {"kubernetes.io/metadata.name": "ops"}}
+    off = {**SPEC, "networkPolicy": {"enabled": False}}
+    ours = make_plan(cr(off), read(NetworkPolicy=child("NetworkPolicy", "m-agents", uid="np-3")), cfg, None)
+    assert "NetworkPolicy" not in {w.key[0] for w in ours.writes}
+    assert [(d.kind, d.name, d.uid, d.ours) for d in ours.deletes if d.kind == "NetworkPolicy"] == [
+        ("NetworkPolicy", "m-agents", "np-3", True)]
+    # A NetworkPolicy of that name someone else wrote is theirs: never deleted, never overwritten.
+    theirs = make_plan(cr(off), read(NetworkPolicy=child("NetworkPolicy", "m-agents", owner_uid=None)), cfg, None)
+    assert [d.ours for d in theirs.deletes if d.kind == "NetworkPolicy"] == [False]
+    refused = make_plan(cr(), read(NetworkPolicy=child("NetworkPolicy", "m-agents", owner_uid=None)), cfg, None)
+    assert [w.owner.verdict for w in refused.writes if w.key[0] == "NetworkPolicy"] == ["foreign"]
 
 
 def test_the_status_follows_the_deployment_and_the_first_error() -> None:

@@ -25,7 +25,7 @@ def reconcile(kube: FakeKube, replicas: int | None = None) -> int | None:
 def test_create_applies_everything_and_writes_status_once() -> None:
     kube = with_cr()
     assert reconcile(kube) == 2
-    assert children(kube) == ["Deployment", "PodDisruptionBudget", "Service"]
+    assert children(kube) == ["Deployment", "NetworkPolicy", "PodDisruptionBudget", "Service"]
     assert kube.objects["Deployment", "ns", "m"]["spec"]["replicas"] == 2
     assert kube.deleted == []  # no args ConfigMap of ours to clean up: nothing deleted
     [status] = kube.status_writes
@@ -78,35 +78,36 @@ def test_apply_failure_still_applies_the_rest_and_reports_degraded() -> None:
     with pytest.raises(ReconcileError) as e:
         reconcile(kube)
     assert e.value.permanent and e.value.reason == "ApplyFailed"
-    assert children(kube) == ["Deployment", "PodDisruptionBudget"]
+    assert children(kube) == ["Deployment", "NetworkPolicy", "PodDisruptionBudget"]
     assert conds(kube)["Degraded"] == ("True", "ApplyFailed") and conds(kube)["Ready"] == ("False", "ApplyFailed")
     assert "bad port" in next(c for c in stored_status(kube)["conditions"] if c["type"] == "Degraded")["message"]
 
 
-@pytest.mark.parametrize("kind", ["Service", "PodDisruptionBudget", "Deployment"])
+@pytest.mark.parametrize(("kind", "name"), [("Service", "m"), ("PodDisruptionBudget", "m"), ("Deployment", "m"),
+                                          ("NetworkPolicy", "m-agents")])
 @pytest.mark.parametrize("owner", [None, {"apiVersion": "apps/v1", "kind": "ReplicaSet", "name": "m", "uid": "x",
                                           "controller": True},
                                    {"apiVersion": "serving.kvfleet.dev/v1alpha1", "kind": "InferenceDeployment",
                                     "name": "other", "uid": "u9", "controller": True}])
-def test_an_object_we_do_not_control_is_never_taken_over(kind: str, owner: dict[str, Any] | None,
+def test_an_object_we_do_not_control_is_never_taken_over(kind: str, name: str, owner: dict[str, Any] | None,
                                                           monkeypatch: pytest.MonkeyPatch) -> None:
     kube = with_cr()
-    theirs = kube.add(foreign(kind, owner=owner))
+    theirs = kube.add(foreign(kind, name, owner=owner))
     with pytest.raises(ReconcileError) as e:
         reconcile(kube)
     assert e.value.permanent and e.value.reason == "ResourceExists"
-    assert kube.objects[kind, "ns", "m"] == theirs  # untouched: before, force=true adopted it
+    assert kube.objects[kind, "ns", name] == theirs  # untouched: before, force=true adopted it
     assert conds(kube)["Degraded"] == ("True", "ResourceExists")
     message = next(c for c in stored_status(kube)["conditions"] if c["type"] == "Degraded")["message"]
-    assert f"{kind} ns/m already exists" in message and "Delete or rename" in message
-    assert len(children(kube)) == 3  # the other two are still applied
+    assert f"{kind} ns/{name} already exists" in message and "Delete or rename" in message
+    assert len(children(kube)) == 4  # the other three are still applied
     # The kopf handler makes it a permanent failure with a Warning event named after the reason.
     events: list[tuple[str, str, str]] = []
     monkeypatch.setattr(kopf, "event", lambda body, *, type, reason, message: events.append((type, reason, message)))
     with pytest.raises(kopf.PermanentError):
         asyncio.run(handlers.reconcile(body=cr(), name="m", namespace="ns", uid="u1", reason="create",
                                        memo=memo(kube)))
-    assert events[0][:2] == ("Warning", "ResourceExists") and f"{kind} ns/m" in events[0][2]
+    assert events[0][:2] == ("Warning", "ResourceExists") and f"{kind} ns/{name}" in events[0][2]
 
 
 def test_the_args_config_map_is_deleted_only_when_ours() -> None:
@@ -121,6 +122,19 @@ def test_the_args_config_map_is_deleted_only_when_ours() -> None:
     kube.objects["InferenceDeployment", "ns", "m"]["spec"] = SPEC  # short again: our ConfigMap goes
     reconcile(kube)
     assert kube.deleted == [("ConfigMap", "m-args")]
+
+
+def test_the_network_policy_is_removed_when_disabled_and_only_when_ours() -> None:
+    kube = with_cr()
+    reconcile(kube)
+    assert ("NetworkPolicy", "ns", "m-agents") in kube.objects
+    kube.objects["InferenceDeployment", "ns", "m"]["spec"] = {**SPEC, "networkPolicy": {"enabled": False}}
+    reconcile(kube)
+    assert kube.deleted == [("NetworkPolicy", "m-agents")] and "NetworkPolicy" not in children(kube)
+    kube = with_cr(cr({**SPEC, "networkPolicy": {"enabled": False}}))
+    theirs = kube.add(foreign("NetworkPolicy", "m-agents"))
+    reconcile(kube)
+    assert kube.objects["NetworkPolicy", "ns", "m-agents"] == theirs and kube.deleted == []
 
 
 def test_a_foreign_args_config_map_keeps_the_deployment_from_mounting_it() -> None:
@@ -170,7 +184,7 @@ def test_reads_the_cr_then_each_child_once_and_records_the_reconcile() -> None:
     s = state(kube)
     assert asyncio.run(reconcile_object("ns", "m", s)) == 2
     assert kube.reads == [("InferenceDeployment", "m"), ("ConfigMap", "m-args"), ("Deployment", "m"),
-                          ("Service", "m"), ("PodDisruptionBudget", "m")]
+                          ("Service", "m"), ("PodDisruptionBudget", "m"), ("NetworkPolicy", "m-agents")]
     assert set(s.reconciled) == {"u1"}
     kube.fail["Service"] = ApiError(500, "InternalError", "x")
     s.reconciled.clear()
