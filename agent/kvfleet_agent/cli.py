@@ -1,4 +1,4 @@
-"""kvfleet-agent command line: `model init-tiny`, `generate`, and `demo` (the README's main job)."""
+"""kvfleet-agent command line: `serve`, `model init-tiny | train-tiny`, `generate`, `bench`, and `demo`."""
 
 from __future__ import annotations
 
@@ -101,6 +101,27 @@ def _serve(a: argparse.Namespace) -> int:
     return asyncio.run(serve(EngineConfig.from_kwargs(model, **_engine_options(a)), opts))
 
 
+def _train_tiny(a: argparse.Namespace) -> int:
+    """`model train-tiny`: needs transformers (the dev extra), which trains and writes the checkpoints."""
+    import dataclasses
+    import importlib.util
+    import json
+
+    if importlib.util.find_spec("transformers") is None:
+        print("kvfleet-agent model train-tiny needs transformers: pip install 'kvfleet[dev]'", file=sys.stderr)
+        return 2
+    from kvfleet_agent.models.train_tiny import FAST, Recipe, train_pair
+
+    recipe = FAST if a.fast else Recipe()
+    if a.steps is not None:
+        if a.steps < 1:
+            print(f"--steps={a.steps} must be at least 1", file=sys.stderr)
+            return 2
+        recipe = dataclasses.replace(recipe, steps=a.steps)
+    print(json.dumps(train_pair(a.dir, recipe), indent=2))
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the `kvfleet-agent` command."""
     # "@FILE" reads arguments from FILE, one per line: the operator mounts extraArgs too long for a pod spec that way.
@@ -114,6 +135,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     tiny.add_argument("--arch", default="llama", choices=["llama", "llama3", "qwen2", "mistral"])
     tiny.add_argument("--seed", type=int, default=0)
     tiny.add_argument("--shards", type=int, default=1)
+    trained = model.add_parser("train-tiny", help="train a small Llama target and draft on the stdlib's source "
+                               "(minutes; cached in ~/.cache/kvfleet/trained) and write DIR/target, DIR/draft")
+    trained.add_argument("dir")
+    trained.add_argument("--fast", action="store_true", help="a much smaller pair in seconds (for tests)")
+    trained.add_argument("--steps", type=int, default=None, help="training steps of each model")
 
     for name, help_text in (("generate", "generate from prompts through the offline API"),
                             ("demo", "make a tiny checkpoint (once) and generate from it")):
@@ -171,6 +197,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     a = ap.parse_args(argv)
     logging.basicConfig(level=a.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
+        if a.command == "model" and a.action == "train-tiny":
+            return _train_tiny(a)
         if a.command == "model":
             from kvfleet_agent.models.tiny import init_tiny
 
