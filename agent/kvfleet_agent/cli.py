@@ -8,6 +8,7 @@ import os
 import sys
 import time
 from collections.abc import Sequence
+from typing import Any
 
 DEMO_DIR = os.path.join(os.path.expanduser("~"), ".cache", "kvfleet", "tiny-llama")
 DEMO_PROMPTS = [
@@ -122,10 +123,18 @@ def _train_tiny(a: argparse.Namespace) -> int:
     return 0
 
 
+class _Parser(argparse.ArgumentParser):
+    """No abbreviated flags (`--api-k` for `--api-key`): a flag is matched whole or refused, so a rule that looks
+    for one (the operator refuses `--api-key` in extraArgs) cannot be slipped past. Subcommands inherit it."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **{**kwargs, "allow_abbrev": False})
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the `kvfleet-agent` command."""
     # "@FILE" reads arguments from FILE, one per line: the operator mounts extraArgs too long for a pod spec that way.
-    ap = argparse.ArgumentParser(prog="kvfleet-agent", description=__doc__, fromfile_prefix_chars="@")
+    ap = _Parser(prog="kvfleet-agent", description=__doc__, fromfile_prefix_chars="@")
     ap.add_argument("--log-level", default="INFO")
     sub = ap.add_subparsers(dest="command", required=True)
 

@@ -19,7 +19,7 @@ log = logging.getLogger("kvfleet_router")
 
 def parse(argv: Sequence[str] | None) -> argparse.Namespace:
     """The command line; every error names the flag."""
-    p = argparse.ArgumentParser(prog="kvfleet-router", description=__doc__)
+    p = argparse.ArgumentParser(prog="kvfleet-router", description=__doc__, allow_abbrev=False)
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8080, help="0 picks a free port (printed when ready)")
     p.add_argument("--endpoint", action="append", default=[], metavar="MODEL=URL[,URL...]",

@@ -17,3 +17,14 @@ def test_arguments_from_a_file(tmp_path: Path) -> None:
                           timeout=120, check=False)
     assert proc.returncode == 0, proc.stderr
     assert json.loads((out / "config.json").read_text())["model_type"] == "qwen2"
+
+
+def test_abbreviated_flags_are_refused_not_guessed(tmp_path: Path) -> None:
+    # argparse would take --api-k for --api-key; the operator's rule against --api-key in extraArgs relies on
+    # flags matching whole.
+    agent = Path(sys.executable).parent / "kvfleet-agent"
+    for argv in (["serve", "--model", str(tmp_path), "--api-k", "secret"], ["model", "init-tiny", "--ar", "qwen2",
+                                                                            str(tmp_path / "ckpt")]):
+        proc = subprocess.run([str(agent), *argv], capture_output=True, text=True, timeout=120, check=False)
+        assert proc.returncode == 2 and "unrecognized arguments" in proc.stderr, proc.stderr
+    assert not (tmp_path / "ckpt").exists()
