@@ -76,17 +76,15 @@ class LLM:
             order[req.request_id] = i
         results: list[RequestOutput | None] = [None] * len(prompts)
         bar = tqdm(total=len(prompts), desc="generate", unit="req", disable=not use_tqdm, dynamic_ncols=True)
-        start, tokens = time.perf_counter(), 0
+        start, first = time.perf_counter(), self.engine.counters.generation_tokens
         try:
             with bar:
                 while self.engine.has_unfinished():
-                    for out in self.engine.step():
-                        tokens += 1
-                        if out.finished:
-                            results[order[out.request_id]] = out
-                            bar.update(1)
-                            bar.set_postfix_str(f"{tokens / (time.perf_counter() - start):.0f} tok/s",
-                                                refresh=False)
+                    for out in self.engine.step(finished_only=True):
+                        results[order[out.request_id]] = out
+                        bar.update(1)
+                        tokens = self.engine.counters.generation_tokens - first
+                        bar.set_postfix_str(f"{tokens / (time.perf_counter() - start):.0f} tok/s", refresh=False)
         except BaseException:  # interrupted (Ctrl-C) or failed: leave the engine clean for the next call
             self.engine.abort(self.engine.unfinished_ids())
             raise

@@ -22,11 +22,11 @@ def _fail_after(llm: AsyncLLM | LLM, steps: int, exc: BaseException) -> None:
     real = engine.step
     count = [0]
 
-    def step() -> Any:
+    def step(*args: Any, **kwargs: Any) -> Any:
         count[0] += 1
         if count[0] > steps:
             raise exc
-        return real()
+        return real(*args, **kwargs)
 
     engine.step = step  # type: ignore[method-assign]
 

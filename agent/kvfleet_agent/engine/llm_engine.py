@@ -184,9 +184,10 @@ class LLMEngine:
 
     # -- the loop -------------------------------------------------------------------------------
 
-    def step(self) -> list[RequestOutput]:
-        """Schedule, execute and update one step; returns the outputs of the requests that got a token (finished
-        ones too), cumulative."""
+    def step(self, finished_only: bool = False) -> list[RequestOutput]:
+        """Schedule, execute and update one step; returns the cumulative outputs of the requests that got a token
+        (finished ones too), or with finished_only of the finished ones alone: a cumulative output copies every
+        token so far, so building one per token for callers that only want the end costs O(length²)."""
         plan = self.scheduler.schedule()
         now = time.monotonic()
         for chunk in plan.chunks:
@@ -216,7 +217,8 @@ class LLMEngine:
                 for obs in self.observers:
                     obs.on_finish(req, now)
                 del self._tracked[req.request_id]
-            out.append(self._output(t))
+            if req.is_finished or not finished_only:
+                out.append(self._output(t))
         return out
 
     def _detokenize(self, t: _Tracked) -> None:

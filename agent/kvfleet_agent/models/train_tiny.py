@@ -13,7 +13,6 @@ import json
 import logging
 import math
 import platform
-import random
 import shutil
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -141,7 +140,6 @@ def train_pair(out_dir: str, recipe: Recipe = Recipe(), cache: Path = CACHE) -> 
 def _build(recipe: Recipe, where: Path) -> None:
     """Train both models and write them, their tokenizer and the report into `where` (a cache entry)."""
     torch.manual_seed(recipe.seed)
-    random.seed(recipe.seed)
     train_texts, eval_texts = texts(recipe.corpus_chars)
     tok = train_tokenizer(train_texts, recipe.vocab_size)
     stream = [t for ids in tok.encode_batch(train_texts) for t in [*ids.ids, EOS_ID]]
