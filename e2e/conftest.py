@@ -65,8 +65,10 @@ def namespace(cluster: LocalCluster) -> Iterator[str]:
     name = f"e2e-{uuid.uuid4().hex[:8]}"
     cluster.kubectl("create", "namespace", name)
     yield name
-    # InferenceDeployments first (if the CRD is installed), or the operator would recreate what they own.
-    cluster.kubectl("delete", "inferencedeployments", "--all", "-n", name, "--wait=false", check=False)
+    # InferenceDeployments and InferenceRouters first (if their CRDs are installed), or the operator would recreate
+    # what they own.
+    for kind in ("inferencedeployments", "inferencerouters"):
+        cluster.kubectl("delete", kind, "--all", "-n", name, "--wait=false", check=False)
     cluster.kubectl("delete", "deployments,replicasets,pods", "--all", "-n", name, "--wait=false")
     wait_for(f"pods in {name} deleted", lambda: not cluster.kubectl_json("get", "pods", "-n", name)["items"])
     cluster.kubectl("delete", "namespace", name, "--wait=false")

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from errors import ClusterError
-from podspec import KWOK_AGENT_EXCLUSION
+from podspec import KWOK_LOCAL_EXCLUSION
 
 # Fake GPU nodes: kwok manages nodes carrying this annotation; workloads need the GPU toleration.
 KWOK_ANNOTATION_KEY = "kwok.x-k8s.io/node"
@@ -108,11 +108,12 @@ def kwok_module_dir(kwok: Path) -> Path:
 
 
 def _with_agent_exclusion(stage: str) -> str:
-    """A kwok pod stage that no longer matches agent pods (the YAML edited as text: no YAML parser here)."""
+    """A kwok pod stage that no longer matches the agent and router pods the process kubelet runs (the YAML edited
+    as text: no YAML parser here)."""
     anchor = "    matchExpressions:\n"
     if anchor not in stage:
         raise ClusterError(f"kwok pod stage without a matchExpressions list; cannot exclude agent pods:\n{stage}")
-    rule = KWOK_AGENT_EXCLUSION  # the pods the process kubelet runs (podspec.runs_agent)
+    rule = KWOK_LOCAL_EXCLUSION  # the pods the process kubelet runs (podspec.runs_locally)
     values = "".join(f"      - {v!r}\n" for v in rule["values"])
     lines = f"    - key: {rule['key']!r}\n      operator: {rule['operator']!r}\n      values:\n{values}"
     return stage.replace(anchor, anchor + lines, 1)

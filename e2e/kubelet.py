@@ -1,11 +1,12 @@
-"""A process kubelet for kwok's fake GPU nodes: each agent pod runs as a real local process on its pod IP.
+"""A process kubelet for kwok's fake GPU nodes: each agent or router pod runs as a real local process on its pod IP.
 
-kwok simulates every other pod (its stages skip agent pods, see gpu_nodes.py). For a pod scheduled to
-a kwok node whose container runs kvfleet-agent, this kubelet picks an IP from KUBELET_POD_CIDR,
-starts the agent with the pod's command, args and env (podspec.py), runs its startup, readiness and
-liveness probes against that IP and writes the pod status (Running; Ready follows /ready); it
-restarts a container that exits or fails liveness, and when the pod is deleted it sends SIGTERM,
-waits the grace period, kills what is left of the process group and finishes the deletion.
+kwok simulates every other pod (its stages skip these, see gpu_nodes.py). For a pod scheduled to a kwok
+node whose container runs kvfleet-agent or kvfleet-router, this kubelet picks an IP from KUBELET_POD_CIDR,
+starts it with the pod's command, args and env (podspec.py; a router also gets its ServiceAccount's token
+and a kubeconfig), runs its startup, readiness and liveness probes against that IP and writes the pod
+status (Running; Ready follows /ready); it restarts a container that exits or fails liveness, and when
+the pod is deleted it sends SIGTERM, waits the grace period, kills what is left of the process group and
+finishes the deletion.
 It runs inside the cluster's network namespace (netns.py), the only place pod IPs exist.
 """
 
@@ -28,16 +29,18 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from kubeapi import KubeApi  # e2e/ is not a package
 from netns import KUBELET_POD_CIDR
 from pod_runner import RETRY_ERRORS, PodRunner
-from podspec import runs_agent
+from podspec import runs_locally
 
 READY_LINE = "kvfleet-kubelet ready"
 
 
 class Kubelet:
-    """Watches all pods; runs the agent pods scheduled to kwok-managed nodes."""
+    """Watches all pods; runs the agent and router pods scheduled to kwok-managed nodes."""
 
-    def __init__(self, api: KubeApi, run_dir: Path, node_annotation: str, max_probe_period: float) -> None:
+    def __init__(self, api: KubeApi, run_dir: Path, node_annotation: str, max_probe_period: float,
+                 ca_pem: bytes = b"") -> None:
         self.api = api
+        self.ca_pem = ca_pem  # the cluster CA, for the kubeconfigs of router pods
         self.run_dir = run_dir
         self.node_annotation = node_annotation  # key=value marking the nodes we serve
         self.max_probe_period = max_probe_period
@@ -65,7 +68,7 @@ class Kubelet:
     async def handle(self, kind: str, pod: dict[str, Any]) -> None:
         """One pod event: start, stop or finish deleting."""
         node = pod.get("spec", {}).get("nodeName")
-        if not node or not runs_agent(pod):
+        if not node or not runs_locally(pod):
             return
         if node not in self.nodes:
             await self._refresh_nodes()
@@ -156,7 +159,8 @@ async def _amain(args: argparse.Namespace) -> int:
         loop.add_signal_handler(sig, stop.set)
     pki = Path(args.pki)
     async with KubeApi(args.server, pki / "ca.crt", pki / f"{args.user}.crt", pki / f"{args.user}.key") as api:
-        return await Kubelet(api, Path(args.run_dir), args.node_annotation, args.max_probe_period).run(stop)
+        return await Kubelet(api, Path(args.run_dir), args.node_annotation, args.max_probe_period,
+                             (pki / "ca.crt").read_bytes()).run(stop)
 
 
 def main() -> int:

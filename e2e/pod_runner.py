@@ -17,12 +17,13 @@ from typing import TYPE_CHECKING, Any
 
 import aiohttp
 from kubeapi import ApiStatusError
-from podspec import Probe, ProcessSpec, configmap_names, env_object_names, process_spec
+from podspec import Probe, ProcessSpec, configmap_names, env_object_names, kubeconfig, process_spec
 
 if TYPE_CHECKING:
     from kubelet import Kubelet
 
 RESTART_BACKOFF_MAX_S = 10.0
+TOKEN_SECONDS = 3600  # a router's bound token lives this long; renewed at 80%, as a kubelet renews projected tokens
 RETRY_ERRORS = (ValueError, OSError, ApiStatusError, aiohttp.ClientError, TimeoutError)
 
 # Resolved here, in the parent: the child between fork and exec must not dlopen (the kubelet has threads).
@@ -38,6 +39,15 @@ def _die_with_parent() -> None:
 def pod_dir(run_dir: Path, namespace: str, name: str, uid: str) -> Path:
     """Where a pod's log, volumes and working directory live."""
     return run_dir / "pods" / f"{namespace}_{name}_{uid[:8]}"
+
+
+def write_private(path: Path, text: str) -> None:
+    """Replace a credentials file at once (a reader never sees half of it), readable only by us."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.unlink(missing_ok=True)
+    with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "w") as f:
+        f.write(text)
+    tmp.replace(path)
 
 
 def now() -> str:
@@ -75,6 +85,7 @@ class PodRunner:
         self.task: asyncio.Task[None] | None = None
         self.spec: ProcessSpec | None = None  # set once prepare() succeeded
         self.stopping = False
+        self.renew_at = 0.0  # event-loop time to renew a router's token
 
     async def _data(self, plural: str, name: str, *, missing_ok: bool) -> dict[str, str] | None:
         """A ConfigMap's or Secret's data (a Secret's decoded); None when it does not exist and missing_ok."""
@@ -106,6 +117,22 @@ class PodRunner:
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_text(text)
         return spec
+
+    async def credentials(self, spec: ProcessSpec) -> None:
+        """A router pod's API access (podspec.py's docstring): a token of its ServiceAccount bound to this pod, from
+        the TokenRequest API, and a kubeconfig naming the apiserver as the pod network reaches it."""
+        if spec.credentials is None:
+            return
+        account = self.pod["spec"].get("serviceAccountName") or "default"
+        request = {"apiVersion": "authentication.k8s.io/v1", "kind": "TokenRequest",
+                   "spec": {"expirationSeconds": TOKEN_SECONDS,
+                            "boundObjectRef": {"apiVersion": "v1", "kind": "Pod", "name": self.name, "uid": self.uid}}}
+        answer = await self.kubelet.api.request(
+            "POST", f"/api/v1/namespaces/{self.namespace}/serviceaccounts/{account}/token", request)
+        write_private(spec.credentials / "token", answer["status"]["token"])
+        write_private(spec.credentials / "kubeconfig",
+                      kubeconfig(self.kubelet.api.server, self.kubelet.ca_pem, self.namespace, "token"))
+        self.renew_at = asyncio.get_running_loop().time() + 0.8 * TOKEN_SECONDS
 
     def _start(self, spec: ProcessSpec) -> None:
         with (self.dir / "agent.log").open("ab") as log:
@@ -159,6 +186,7 @@ class PodRunner:
         while not self.stopping:
             try:
                 spec = self.spec = self.spec or await self.prepare()
+                await self.credentials(spec)  # a fresh token for every start, like a kubelet's projected volume
                 self._start(spec)
             except RETRY_ERRORS as exc:
                 print(f"pod {self.namespace}/{self.name} cannot start: {exc}", file=sys.stderr, flush=True)
@@ -201,6 +229,11 @@ class PodRunner:
         while not self.stopping:
             if exit_status(self.proc.pid) is not None:
                 return "exited"
+            if spec.credentials is not None and loop.time() >= self.renew_at:
+                try:
+                    await self.credentials(spec)
+                except RETRY_ERRORS as exc:  # the old token stays valid a while: tried again next period
+                    print(f"renewing the token of {self.namespace}/{self.name}: {exc}", file=sys.stderr, flush=True)
             if loop.time() - begun >= delay:
                 if not started and spec.startup is not None:
                     started = await self._probe(spec.startup)

@@ -1,40 +1,79 @@
 """Pure translation of a pod's first container into a local process: argv, environment, paths and probes.
 
-The process kubelet runs every agent pod in one shared network namespace and without a mount
-namespace, so it adapts three things a real kubelet gets from the container runtime:
+The process kubelet runs every agent and router pod in one shared network namespace and without a mount
+namespace, so it adapts four things a real kubelet gets from the container runtime:
 - bind address: 0.0.0.0 would collide between pods, so KVFLEET_HOST (and any --host argument) is
   rewritten to the pod's own IP, which is what 0.0.0.0 means inside a real pod;
 - volumes: a mount path in an argument or env value is rewritten to the directory that backs it
   (hostPath as is; a PVC is RUN_DIR/pvc/<namespace>/<claimName>; emptyDir and ConfigMap volumes are
   directories under the pod's own dir);
-- probes: periods are capped (max_period) so tests do not wait out production-sized intervals.
+- probes: periods are capped (max_period) so tests do not wait out production-sized intervals;
+- a router pod's API credentials (automountServiceAccountToken not false): a real kubelet mounts a
+  projected token of the pod's ServiceAccount under /var/run/secrets/kubernetes.io/serviceaccount, and the
+  apiserver is found through KUBERNETES_SERVICE_HOST/PORT; without a mount namespace or a Service network,
+  the process gets KUBECONFIG instead: a file in its pod dir naming the apiserver as the pod network sees
+  it (https://127.0.0.1:<api port>, the relay the operator uses too), the cluster CA, and a tokenFile
+  beside it. The token comes from the TokenRequest API for the pod's ServiceAccount, bound to the pod,
+  and is renewed before it expires (pod_runner.py), as a projected token is. The process kubelet asks as
+  admin; a node's own kubelet may ask for exactly this token (the Node authorizer and NodeRestriction
+  allow tokens bound to pods on that node), which e2e/test_router_operator.py checks by impersonating the
+  node. POD_NAMESPACE and POD_NAME are set too (a real pod reads its namespace from the token mount).
+Agent pods get none of this: they never call the API.
 """
 
 from __future__ import annotations
 
+import base64
+import json
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-AGENT_COMMAND = "kvfleet-agent"
+AGENT_COMMAND, ROUTER_COMMAND = "kvfleet-agent", "kvfleet-router"
+LOCAL_COMMANDS = (AGENT_COMMAND, ROUTER_COMMAND)
 _VAR_REF = re.compile(r"\$\$|\$\(([A-Za-z_][A-Za-z0-9_.-]*)\)")
+CREDENTIALS_DIR = "serviceaccount"  # in the pod dir: kubeconfig, token
 
 
-# kwok's selector for the pods it must leave alone: the same rule as runs_agent, as a jq query.
-KWOK_AGENT_EXCLUSION = {"key": ".spec.containers.[0].command.[0]", "operator": "NotIn", "values": [AGENT_COMMAND]}
+# kwok's selector for the pods it must leave alone: the same rule as runs_locally, as a jq query.
+KWOK_LOCAL_EXCLUSION = {"key": ".spec.containers.[0].command.[0]", "operator": "NotIn",
+                        "values": list(LOCAL_COMMANDS)}
 
 
-def runs_agent(pod: Mapping[str, Any]) -> bool:
-    """Whether the pod's first container's command is exactly `kvfleet-agent` (resolved on the kubelet's PATH).
-
-    Exactly that word, no path: the process kubelet runs only the agent installed beside it, never an
-    arbitrary host binary a pod names, and kwok's selector (KWOK_AGENT_EXCLUSION) uses the same rule.
-    """
+def _command(pod: Mapping[str, Any]) -> str:
     containers = pod.get("spec", {}).get("containers") or [{}]
-    command = containers[0].get("command") or [""]
-    return bool(command[0] == AGENT_COMMAND)
+    return str((containers[0].get("command") or [""])[0])
+
+
+def runs_locally(pod: Mapping[str, Any]) -> bool:
+    """Whether the pod's first container's command is exactly `kvfleet-agent` or `kvfleet-router` (resolved on the
+    kubelet's PATH).
+
+    Exactly those words, no path: the process kubelet runs only the programs installed beside it, never an
+    arbitrary host binary a pod names, and kwok's selector (KWOK_LOCAL_EXCLUSION) uses the same rule.
+    """
+    return _command(pod) in LOCAL_COMMANDS
+
+
+def needs_credentials(pod: Mapping[str, Any]) -> bool:
+    """A router pod that keeps its ServiceAccount token (see the module docstring)."""
+    return _command(pod) == ROUTER_COMMAND and pod.get("spec", {}).get("automountServiceAccountToken") is not False
+
+
+def kubeconfig(server: str, ca_pem: bytes, namespace: str, token_file: str) -> str:
+    """A kubeconfig for a pod's process: the apiserver as the pod network reaches it, the cluster CA, and the
+    token file beside it (relative: resolved against the kubeconfig's own directory)."""
+    config = {
+        "apiVersion": "v1", "kind": "Config", "current-context": "pod",
+        "clusters": [{"name": "cluster", "cluster": {
+            "server": server, "certificate-authority-data": base64.b64encode(ca_pem).decode()}}],
+        "users": [{"name": "serviceaccount", "user": {"tokenFile": token_file}}],
+        "contexts": [{"name": "pod", "context": {"cluster": "cluster", "user": "serviceaccount",
+                                                 "namespace": namespace}}],
+    }
+    return json.dumps(config, indent=1) + "\n"  # JSON is YAML
 
 
 def expand(value: str, env: Mapping[str, str]) -> str:
@@ -95,6 +134,7 @@ class ProcessSpec:
     grace_seconds: float = 30.0
     restart_policy: str = "Always"
     pre_stop_sleep: float = 0.0  # lifecycle.preStop.sleep: before SIGTERM, within the grace period
+    credentials: Path | None = None  # where the kubelet writes the kubeconfig and token (needs_credentials)
 
 
 def _probe(kind: str, spec: Mapping[str, Any] | None, ports: Mapping[str, int], max_period: float) -> Probe | None:
@@ -206,6 +246,10 @@ def process_spec(pod: Mapping[str, Any], pod_ip: str, host_ip: str, pod_dir: Pat
 
     env: dict[str, str] = {"HOME": str(pod_dir), "HOSTNAME": pod["metadata"]["name"]}
     env.update(base_env)
+    credentials = pod_dir / CREDENTIALS_DIR if needs_credentials(pod) else None
+    if credentials is not None:
+        env.update({"KUBECONFIG": str(credentials / "kubeconfig"), "POD_NAMESPACE": pod["metadata"]["namespace"],
+                    "POD_NAME": pod["metadata"]["name"]})
     for var in container.get("env", []):
         if "valueFrom" in var:
             source = var["valueFrom"]
@@ -239,7 +283,8 @@ def process_spec(pod: Mapping[str, Any], pod_ip: str, host_ip: str, pod_dir: Pat
     grace = pod["metadata"].get("deletionGracePeriodSeconds", pod["spec"].get("terminationGracePeriodSeconds", 30))
     return ProcessSpec(
         argv=argv, env=env, cwd=pod_dir,
-        dirs=sorted({d for d in vol_dirs.values() if d.is_relative_to(pod_dir)} | {pod_dir}),
+        dirs=sorted({d for d in vol_dirs.values() if d.is_relative_to(pod_dir)} | {pod_dir}
+                    | ({credentials} if credentials is not None else set())),
         files=files,
         startup=_probe("startupProbe", container.get("startupProbe"), ports, max_period),
         readiness=_probe("readinessProbe", container.get("readinessProbe"), ports, max_period),
@@ -247,4 +292,5 @@ def process_spec(pod: Mapping[str, Any], pod_ip: str, host_ip: str, pod_dir: Pat
         restart_policy=pod["spec"].get("restartPolicy", "Always"),
         pre_stop_sleep=float(container.get("lifecycle", {}).get("preStop", {}).get("sleep", {}).get("seconds", 0)),
         grace_seconds=float(grace),
+        credentials=credentials,
     )

@@ -42,3 +42,13 @@ QUEUE_BUCKETS: Final = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.
 # The latency histograms the autoscaler's targets name, by their short names (ttftP95, itlP99, e2eP99).
 LATENCY_TARGETS: Final = {"ttft": TTFT, "itl": ITL, "e2e": E2E}
 BUCKETS: Final = {TTFT: TTFT_BUCKETS, ITL: ITL_BUCKETS, E2E: E2E_BUCKETS, QUEUE_TIME: QUEUE_BUCKETS}
+
+# The router: how the operator finds it and the one family it reads. Router pods carry the label
+# app.kubernetes.io/name=ROUTER_APP and serve HTTP (OpenAI routes, /metrics) on ROUTER_PORT. The held-requests gauge
+# is the demand for an InferenceDeployment that has no ready replica: the autoscaler scales it up from zero on it.
+ROUTER_APP: Final = "kvfleet-router"
+ROUTER_PORT: Final = 8080
+ROUTER_HELD_REQUESTS: Final = "kvfleet_router_held_requests"
+# The held gauge's labels: the served model name, and the InferenceDeployment serving it (empty for static endpoints).
+NAMESPACE_LABEL: Final = "namespace"
+DEPLOYMENT_LABEL: Final = "inference_deployment"

@@ -14,6 +14,7 @@ from kvfleet_operator.builders import DEFAULT_OPERATOR_NAMESPACE, MANAGED_BY_LAB
 from kvfleet_operator.models import GROUP
 
 DEFAULT_AGENT_IMAGE = "ghcr.io/kvfleet/kvfleet-agent:0.1.0"
+DEFAULT_ROUTER_IMAGE = "ghcr.io/kvfleet/kvfleet-router:0.1.0"
 
 
 @dataclass(frozen=True)
@@ -22,6 +23,7 @@ class OperatorConfig:
 
     namespaces: tuple[str, ...] = ()  # empty: every namespace (cluster-wide)
     agent_image: str = DEFAULT_AGENT_IMAGE
+    router_image: str = DEFAULT_ROUTER_IMAGE  # InferenceRouters' pods, unless their spec.image says otherwise
     port: int = 8080  # /healthz and /metrics; 0 picks a free port (logged)
     scrape_timeout_seconds: float = 2.0
     unschedulable_grace_seconds: float = 60.0  # Pending as Unschedulable this long → CapacityBlocked
@@ -35,11 +37,12 @@ class OperatorConfig:
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> OperatorConfig:
-        """Read KVFLEET_WATCH_NAMESPACE (comma-separated; empty: all), KVFLEET_AGENT_IMAGE, KVFLEET_OPERATOR_PORT,
-        KVFLEET_SCRAPE_TIMEOUT_SECONDS, KVFLEET_UNSCHEDULABLE_GRACE_SECONDS, KVFLEET_RESYNC_SECONDS,
-        KVFLEET_LOG_FORMAT (json|text), KVFLEET_LOG_LEVEL, KVFLEET_PEERING, KVFLEET_PEERING_PRIORITY,
-        KVFLEET_POST_EVENTS (true|false) and KVFLEET_OPERATOR_NAMESPACE (the operator pod's own namespace, from the
-        downward API; default kvfleet-system). Raises ValueError naming the bad variable."""
+        """Read KVFLEET_WATCH_NAMESPACE (comma-separated; empty: all), KVFLEET_AGENT_IMAGE, KVFLEET_ROUTER_IMAGE,
+        KVFLEET_OPERATOR_PORT, KVFLEET_SCRAPE_TIMEOUT_SECONDS, KVFLEET_UNSCHEDULABLE_GRACE_SECONDS,
+        KVFLEET_RESYNC_SECONDS, KVFLEET_LOG_FORMAT (json|text), KVFLEET_LOG_LEVEL, KVFLEET_PEERING,
+        KVFLEET_PEERING_PRIORITY, KVFLEET_POST_EVENTS (true|false) and KVFLEET_OPERATOR_NAMESPACE (the operator
+        pod's own namespace, from the downward API; default kvfleet-system). Raises ValueError naming the bad
+        variable."""
         env = os.environ if env is None else env
 
         def get(name: str, default: str) -> str:
@@ -78,6 +81,7 @@ class OperatorConfig:
         return cls(
             namespaces=namespaces,
             agent_image=get("KVFLEET_AGENT_IMAGE", DEFAULT_AGENT_IMAGE),
+            router_image=get("KVFLEET_ROUTER_IMAGE", DEFAULT_ROUTER_IMAGE),
             port=port,
             scrape_timeout_seconds=timings["KVFLEET_SCRAPE_TIMEOUT_SECONDS"],
             unschedulable_grace_seconds=timings["KVFLEET_UNSCHEDULABLE_GRACE_SECONDS"],

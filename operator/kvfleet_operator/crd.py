@@ -1,4 +1,5 @@
-"""Generates the InferenceDeployment CRD from the pydantic models: `python -m kvfleet_operator.crd > crds/...`."""
+"""Generates the InferenceDeployment and InferenceRouter CRDs from the pydantic models into crds/:
+`python -m kvfleet_operator.crd`."""
 
 from __future__ import annotations
 
@@ -12,11 +13,14 @@ from pydantic.json_schema import GenerateJsonSchema, NoDefault
 from pydantic_core import core_schema
 
 from kvfleet_operator.models import GROUP, KIND, PLURAL, VERSION, InferenceDeploymentSpec
+from kvfleet_operator.router_models import ROUTER_KIND, ROUTER_PLURAL, InferenceRouterSpec, InferenceRouterStatus
+from kvfleet_operator.router_rules import ROUTER_NAME_RULE
 from kvfleet_operator.rules import NAME_RULE
 from kvfleet_operator.status import InferenceDeploymentStatus
 
 CRD_FILE = f"{GROUP}_{PLURAL}.yaml"
-REGENERATE = f".venv/bin/python -m kvfleet_operator.crd > crds/{CRD_FILE}"
+ROUTER_CRD_FILE = f"{GROUP}_{ROUTER_PLURAL}.yaml"
+REGENERATE = ".venv/bin/python -m kvfleet_operator.crd"
 # JSON-schema keywords a structural OpenAPI v3 schema accepts (the rest, e.g. title, are dropped).
 _KEEP = {"type", "description", "default", "enum", "format", "minimum", "maximum", "exclusiveMinimum",
          "exclusiveMaximum", "minLength", "maxLength", "pattern", "minItems", "maxItems", "minProperties",
@@ -113,19 +117,41 @@ def openapi_schema(model: type[BaseModel], *, status: bool = False) -> dict[str,
     return _ordered(_convert(raw, raw.get("$defs", {}), status=status))  # type: ignore[no-any-return]
 
 
-def crd() -> dict[str, Any]:
-    """The CustomResourceDefinition of InferenceDeployment."""
-    schema = {
+def _definition(kind: str, plural: str, short_name: str, description: str, spec: type[BaseModel],
+                status: type[BaseModel], name_rule: dict[str, str], version: dict[str, Any]) -> dict[str, Any]:
+    """A namespaced CustomResourceDefinition of our group with one version (`version`: its subresources and
+    printer columns). A spec whose every field has a default may be left out: it defaults to {} and its fields
+    to theirs."""
+    optional = not spec.model_json_schema().get("required")
+    schema: dict[str, Any] = {
         "type": "object",
-        "description": "A model served by an autoscaled fleet of kvfleet agents.",
+        "description": description,
         "required": ["spec"],
         "properties": {
             "apiVersion": {"type": "string"}, "kind": {"type": "string"}, "metadata": {"type": "object"},
-            "spec": openapi_schema(InferenceDeploymentSpec),
-            "status": openapi_schema(InferenceDeploymentStatus, status=True),
+            "spec": _ordered({**openapi_schema(spec), "default": {}}) if optional else openapi_schema(spec),
+            "status": openapi_schema(status, status=True),
         },
-        "x-kubernetes-validations": [NAME_RULE.cel()],
+        "x-kubernetes-validations": [name_rule],
     }
+    if optional:
+        del schema["required"]
+    return {
+        "apiVersion": "apiextensions.k8s.io/v1",
+        "kind": "CustomResourceDefinition",
+        "metadata": {"name": f"{plural}.{GROUP}", "labels": {"app.kubernetes.io/part-of": "kvfleet"}},
+        "spec": {
+            "group": GROUP, "scope": "Namespaced",
+            "names": {"kind": kind, "listKind": f"{kind}List", "plural": plural, "singular": kind.lower(),
+                      "shortNames": [short_name], "categories": ["kvfleet"]},
+            "versions": [{"name": VERSION, "served": True, "storage": True,
+                          "schema": {"openAPIV3Schema": schema}, **version}],
+        },
+    }
+
+
+def crd() -> dict[str, Any]:
+    """The CustomResourceDefinition of InferenceDeployment."""
     columns = [
         {"name": "Ready", "type": "integer", "jsonPath": ".status.readyReplicas"},
         {"name": "Replicas", "type": "integer", "jsonPath": ".status.replicas"},
@@ -137,39 +163,50 @@ def crd() -> dict[str, Any]:
         {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
     ]
     version = {
-        "name": VERSION, "served": True, "storage": True,
-        "schema": {"openAPIV3Schema": schema},
         "subresources": {"status": {}, "scale": {"specReplicasPath": ".spec.replicas",
                                                  "statusReplicasPath": ".status.replicas",
                                                  "labelSelectorPath": ".status.selector"}},
         "additionalPrinterColumns": columns,
     }
-    return {
-        "apiVersion": "apiextensions.k8s.io/v1",
-        "kind": "CustomResourceDefinition",
-        "metadata": {"name": f"{PLURAL}.{GROUP}", "labels": {"app.kubernetes.io/part-of": "kvfleet"}},
-        "spec": {
-            "group": GROUP, "scope": "Namespaced",
-            "names": {"kind": KIND, "listKind": f"{KIND}List", "plural": PLURAL, "singular": KIND.lower(),
-                      "shortNames": ["infd"], "categories": ["kvfleet"]},
-            "versions": [version],
-        },
-    }
+    return _definition(KIND, PLURAL, "infd", "A model served by an autoscaled fleet of kvfleet agents.",
+                       InferenceDeploymentSpec, InferenceDeploymentStatus, NAME_RULE.cel(), version)
 
 
-def render() -> str:
-    """The CRD as the YAML committed under crds/."""
-    header = f"# Generated from operator/kvfleet_operator/models.py; do not edit. Regenerate: {REGENERATE}\n"
-    return header + str(yaml.dump(crd(), Dumper=_Dumper, sort_keys=False, width=120))
+def router_crd() -> dict[str, Any]:
+    """The CustomResourceDefinition of InferenceRouter (no scale subresource: an HPA has no signal to scale a
+    router on; spec.replicas says how many)."""
+    columns = [
+        {"name": "Ready", "type": "integer", "jsonPath": ".status.readyReplicas"},
+        {"name": "Replicas", "type": "integer", "jsonPath": ".status.replicas"},
+        {"name": "Models", "type": "integer", "jsonPath": ".status.modelCount",
+         "description": "Distinct model names served in the watched namespaces"},
+        {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
+    ]
+    return _definition(ROUTER_KIND, ROUTER_PLURAL, "ir", "One OpenAI endpoint in front of the kvfleet agents of one "
+                       "or more namespaces (kvfleet-router).", InferenceRouterSpec, InferenceRouterStatus,
+                       ROUTER_NAME_RULE.cel(), {"subresources": {"status": {}}, "additionalPrinterColumns": columns})
+
+
+# Each generated file: its CRD and the module its schema comes from.
+FILES = {CRD_FILE: (crd, "models.py"), ROUTER_CRD_FILE: (router_crd, "router_models.py")}
+
+
+def render(file: str = CRD_FILE) -> str:
+    """A CRD as the YAML committed under crds/ (by its file name there)."""
+    build, source = FILES[file]
+    header = f"# Generated from operator/kvfleet_operator/{source}; do not edit. Regenerate: {REGENERATE}\n"
+    return header + str(yaml.dump(build(), Dumper=_Dumper, sort_keys=False, width=120))
 
 
 def main() -> int:
-    """Print the CRD, or write it to the path given as the only argument."""
-    text = render()
-    if len(sys.argv) > 1:
-        Path(sys.argv[1]).write_text(text)
-    else:
-        sys.stdout.write(text)
+    """Write every CRD into the directory given as the only argument (default: crds, from the repository root)."""
+    directory = Path(sys.argv[1] if len(sys.argv) > 1 else "crds")
+    if not directory.is_dir():
+        print(f"no directory {directory}: run from the repository root, or name the directory", file=sys.stderr)
+        return 2
+    for file in FILES:
+        (directory / file).write_text(render(file))
+        print(f"wrote {directory / file}", file=sys.stderr)  # stdout stays empty: `> file` from old habits is harmless
     return 0
 
 

@@ -2,22 +2,27 @@
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Awaitable
+from typing import Any, TypeVar
 
 import aiohttp
 import kopf
 
-from kvfleet_operator import metrics
-from kvfleet_operator.builders import MANAGED_BY_LABEL, MANAGER
+from kvfleet_contract.metrics import ROUTER_APP
+from kvfleet_operator import metrics, router_reconcile
+from kvfleet_operator.builders import MANAGED_BY_LABEL, MANAGER, NAME_LABEL
 from kvfleet_operator.kube import ApiError
 from kvfleet_operator.models import GROUP, KIND, PLURAL, VERSION
 from kvfleet_operator.plan import ReconcileError
 from kvfleet_operator.reconcile import reconcile_counted
+from kvfleet_operator.router_models import ROUTER_KIND, ROUTER_PLURAL
 from kvfleet_operator.state import OperatorState
 
-# No handler here may make kopf put its finalizer on an InferenceDeployment (a daemon, a timer or a deletion
-# handler that is not optional): the object would stay undeletable while the operator is down or uninstalled,
-# and a GitOps tool pruning an app together with its operator would hang. test_handlers.py checks it.
+T = TypeVar("T")
+
+# No handler here may make kopf put its finalizer on an InferenceDeployment or an InferenceRouter (a daemon, a timer
+# or a deletion handler that is not optional): the object would stay undeletable while the operator is down or
+# uninstalled, and a GitOps tool pruning an app together with its operator would hang. test_handlers.py checks it.
 
 _RETRY_SECONDS, _MAX_RETRY_SECONDS = 5.0, 300.0
 _GC_RETRY_SECONDS = 5.0  # an owner's namesake left by a deleted CR: garbage collection takes seconds
@@ -42,11 +47,23 @@ def _backoff(retry: int) -> float:
 
 async def run_reconcile(namespace: str, name: str, state: OperatorState, trigger: str, *, uid: str | None = None,
                         retry: int = 0) -> int | None:
-    """The reconcile with its failures turned into kopf's retry policy: PermanentError when only a changed
-    object can help (an invalid spec, an object of the same name we do not control), else TemporaryError with
-    back-off (API errors that heal, a network error or timeout towards the apiserver)."""
+    """The reconcile with its failures turned into kopf's retry policy (see _kopf_errors)."""
+    return await _kopf_errors(reconcile_counted(namespace, name, state, trigger, uid=uid), retry)
+
+
+async def run_router_reconcile(namespace: str, name: str, state: OperatorState, trigger: str, *,
+                               uid: str | None = None, retry: int = 0) -> bool:
+    """An InferenceRouter's reconcile with its failures turned into kopf's retry policy (see _kopf_errors)."""
+    return await _kopf_errors(router_reconcile.reconcile_router_counted(namespace, name, state, trigger, uid=uid),
+                              retry)
+
+
+async def _kopf_errors(call: Awaitable[T], retry: int) -> T:
+    """Await a reconcile, its failures turned into PermanentError when only a changed object can help (an invalid
+    spec, an object of the same name we do not control), else TemporaryError with back-off (API errors that heal,
+    a network error or timeout towards the apiserver)."""
     try:
-        return await reconcile_counted(namespace, name, state, trigger, uid=uid)
+        return await call
     except ReconcileError as e:
         if e.permanent:
             raise kopf.PermanentError(e.message) from e
@@ -103,12 +120,18 @@ async def deployment_changed(body: kopf.Body, type: str | None, memo: kopf.Memo,
                  None)
     if owner is None:
         return
-    ns = body["metadata"]["namespace"]
+    ns, state = body["metadata"]["namespace"], OperatorState.of(memo)
     try:
-        await run_reconcile(ns, owner["name"], OperatorState.of(memo), "deployment")
+        await run_reconcile(ns, owner["name"], state, "deployment")
     except (kopf.PermanentError, kopf.TemporaryError) as e:
         # Event handlers are not retried; the CR's own handlers and the resync loop are.
         logger.warning(f"reconcile of {ns}/{owner['name']} after a Deployment {type} failed: {e}")
+    # The agents' readiness moved (or the fleet came or went): the routers serving this namespace report it.
+    for (router_ns, router), uid in state.routers_serving(ns):
+        try:
+            await run_router_reconcile(router_ns, router, state, "fleet", uid=uid)
+        except (kopf.PermanentError, kopf.TemporaryError) as e:
+            logger.warning(f"reconcile of InferenceRouter {router_ns}/{router} after a Deployment {type} failed: {e}")
 
 
 @kopf.on.delete(GROUP, VERSION, PLURAL, optional=True)
@@ -118,3 +141,55 @@ async def deleted(namespace: str | None, name: str | None, uid: str | None, memo
     metrics.forget(namespace or "", name or "")
     if uid is not None:
         await OperatorState.of(memo).forget(namespace or "default", name or "", uid)
+
+
+@kopf.on.resume(GROUP, VERSION, ROUTER_PLURAL)
+@kopf.on.create(GROUP, VERSION, ROUTER_PLURAL)
+@kopf.on.update(GROUP, VERSION, ROUTER_PLURAL)
+async def reconcile_router(body: kopf.Body, name: str, namespace: str | None, uid: str, reason: str,
+                           memo: kopf.Memo, retry: int = 0, **_: Any) -> None:
+    """An InferenceRouter: tracked (for the resync, and for refreshes when its fleets change), then reconciled."""
+    state, ns = OperatorState.of(memo), namespace or "default"
+    watched = tuple(str(n) for n in (body.get("spec") or {}).get("watchNamespaces") or ()) or (ns,)
+    state.track_router(ns, name, uid, watched)
+    try:
+        found = await run_router_reconcile(ns, name, state, reason, uid=uid, retry=retry)
+    except (kopf.PermanentError, kopf.TemporaryError) as e:
+        kopf.event(body, type="Warning", reason=_failure_reason(e), message=str(e)[:1024])
+        raise
+    if found and reason in (kopf.Reason.CREATE, kopf.Reason.UPDATE):
+        verb = "created" if reason == kopf.Reason.CREATE else "updated"
+        kopf.event(body, type="Normal", reason="Applied",
+                   message=f"{verb}: ServiceAccount, a Role and RoleBinding in {', '.join(watched)}, Deployment, "
+                           "Service, PodDisruptionBudget applied")
+
+
+@kopf.on.event("apps", "v1", "deployments", labels={MANAGED_BY_LABEL: MANAGER, NAME_LABEL: ROUTER_APP})
+async def router_deployment_changed(body: kopf.Body, type: str | None, memo: kopf.Memo, logger: kopf.Logger,
+                                    **_: Any) -> None:
+    """A router's Deployment changed (its pods became ready, someone edited it): reconcile that router (by name,
+    as deployment_changed does for InferenceDeployments)."""
+    owner = next((o for o in body.get("metadata", {}).get("ownerReferences") or []
+                  if o.get("kind") == ROUTER_KIND and o.get("apiVersion", "").startswith(GROUP + "/")
+                  and o.get("controller")), None)
+    if type is None or owner is None:
+        return  # the initial listing (the CR's resume handler covers it), or not a router's
+    ns = body["metadata"]["namespace"]
+    try:
+        await run_router_reconcile(ns, owner["name"], OperatorState.of(memo), "deployment")
+    except (kopf.PermanentError, kopf.TemporaryError) as e:
+        logger.warning(f"reconcile of InferenceRouter {ns}/{owner['name']} after a Deployment {type} failed: {e}")
+
+
+@kopf.on.delete(GROUP, VERSION, ROUTER_PLURAL, optional=True)
+async def router_deleted(namespace: str | None, name: str | None, uid: str | None, memo: kopf.Memo,
+                         logger: kopf.Logger, **_: Any) -> None:
+    """Forget the router and delete its grants in other namespaces (garbage collection takes the rest). Optional:
+    no finalizer; a deletion missed while the operator was down is swept by the resync."""
+    state, ns = OperatorState.of(memo), namespace or "default"
+    if uid is not None:
+        state.forget_router(ns, name or "", uid)
+    try:
+        await router_reconcile.release(state, ns, name or "")
+    except (ReconcileError, ApiError, aiohttp.ClientError, TimeoutError) as e:
+        logger.warning(f"deleting the grants of InferenceRouter {ns}/{name} failed (the resync retries): {e}")

@@ -13,6 +13,7 @@ import aiohttp
 import kopf
 
 from kvfleet_operator.models import GROUP, KIND, PLURAL, VERSION
+from kvfleet_operator.router_models import ROUTER_KIND, ROUTER_PLURAL
 
 log = logging.getLogger(__name__)
 FIELD_MANAGER = "kvfleet-operator"
@@ -28,7 +29,11 @@ _KINDS: dict[str, tuple[str, str]] = {
     "PodDisruptionBudget": ("/apis/policy/v1", "poddisruptionbudgets"),
     "NetworkPolicy": ("/apis/networking.k8s.io/v1", "networkpolicies"),
     "Pod": ("/api/v1", "pods"),
+    "ServiceAccount": ("/api/v1", "serviceaccounts"),
+    "Role": ("/apis/rbac.authorization.k8s.io/v1", "roles"),
+    "RoleBinding": ("/apis/rbac.authorization.k8s.io/v1", "rolebindings"),
     KIND: (f"/apis/{GROUP}/{VERSION}", PLURAL),
+    ROUTER_KIND: (f"/apis/{GROUP}/{VERSION}", ROUTER_PLURAL),
     PEERING_KIND: ("/apis/kopf.dev/v1", "clusterkopfpeerings"),
 }
 _CLUSTER_SCOPED = frozenset({PEERING_KIND})
@@ -53,9 +58,10 @@ class ApiError(Exception):
 
 def path(kind: str, namespace: str, name: str | None = None, subresource: str | None = None) -> str:
     """The REST path of an object, or of its collection when name is None (`namespace` is ignored for a
-    cluster-scoped kind)."""
+    cluster-scoped kind; "" with no name: the collection across all namespaces)."""
     prefix, plural = _KINDS[kind]
-    out = f"{prefix}/{plural}" if kind in _CLUSTER_SCOPED else f"{prefix}/namespaces/{namespace}/{plural}"
+    everywhere = kind in _CLUSTER_SCOPED or (not namespace and name is None)
+    out = f"{prefix}/{plural}" if everywhere else f"{prefix}/namespaces/{namespace}/{plural}"
     return out + (f"/{name}" if name else "") + (f"/{subresource}" if subresource else "")
 
 
@@ -162,7 +168,7 @@ class Kube:
             raise
 
     async def list(self, kind: str, namespace: str, label_selector: str) -> list[dict[str, Any]]:
-        """Objects of a kind in a namespace that match a label selector."""
+        """Objects of a kind in a namespace ("": in every namespace) that match a label selector."""
         out = await self.request("GET", path(kind, namespace), params={"labelSelector": label_selector})
         return list(out.get("items") or [])
 

@@ -1,4 +1,5 @@
-"""Pure: may this InferenceDeployment write an existing object of its name? (GitOps-safe adoption rules)."""
+"""Pure: may this InferenceDeployment (or InferenceRouter) write an existing object of its name? (GitOps-safe
+adoption rules)."""
 
 from __future__ import annotations
 
@@ -28,25 +29,26 @@ def controller(obj: dict[str, Any]) -> dict[str, Any] | None:
     return next((r for r in refs if r.get("controller")), None)
 
 
-def classify(live: dict[str, Any] | None, kind: str, namespace: str, cr_name: str, cr_uid: str) -> Ownership:
+def classify(live: dict[str, Any] | None, kind: str, namespace: str, cr_name: str, cr_uid: str, *,
+             owner_kind: str = KIND) -> Ownership:
     """absent: nothing there, create it. ours: controlled by this very CR (this uid), apply.
-    previous: controlled by an earlier InferenceDeployment of the same name, deleted and not yet collected:
+    previous: controlled by an earlier CR of the same kind (`owner_kind`) and name, deleted and not yet collected:
     garbage collection removes it soon, so retry (a CR recreated under the same name must not fail for good).
-    foreign: anything else (no controller, another kind, another InferenceDeployment): never adopt it, since
-    a server-side apply with force would silently take over an object a person or another tool manages."""
+    foreign: anything else (no controller, another kind, another CR): never adopt it, since a server-side apply
+    with force would silently take over an object a person or another tool manages."""
     if live is None:
         return Ownership("absent")
     ref = controller(live)
     name = (live.get("metadata") or {}).get("name", "")
     what = f"{kind} {namespace}/{name}"
-    if ref is not None and ref.get("kind") == KIND and str(ref.get("apiVersion", "")).startswith(GROUP + "/"):
+    if ref is not None and ref.get("kind") == owner_kind and str(ref.get("apiVersion", "")).startswith(GROUP + "/"):
         if ref.get("uid") == cr_uid:
             return Ownership("ours")
         if ref.get("name") == cr_name:
             # Names are unique, so an owner with our name but another uid no longer exists.
-            return Ownership("previous", f"{what} still belongs to a deleted InferenceDeployment {cr_name} (uid "
+            return Ownership("previous", f"{what} still belongs to a deleted {owner_kind} {cr_name} (uid "
                                          f"{ref.get('uid')}); waiting for garbage collection to remove it")
     owner = f"{ref.get('kind')} {ref.get('name')}" if ref is not None else "no controller"
-    return Ownership("foreign", f"{what} already exists and is not controlled by this InferenceDeployment "
+    return Ownership("foreign", f"{what} already exists and is not controlled by this {owner_kind} "
                                 f"({owner}); it is left untouched. Delete or rename that {kind}, or give the "
-                                "InferenceDeployment another name")
+                                f"{owner_kind} another name")

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 
 import aiohttp
 import kopf
 
-from kvfleet_operator import reconcile
+from kvfleet_operator import reconcile, router_reconcile
 from kvfleet_operator.autoscaling import loop
 from kvfleet_operator.autoscaling.memory import Memory
 from kvfleet_operator.config import OperatorConfig
@@ -33,6 +33,15 @@ class Tracked:
     builtin: bool
 
 
+@dataclass(frozen=True)
+class TrackedRouter:
+    """An InferenceRouter a handler saw: which object of that name, and the namespaces it serves (a change of an
+    InferenceDeployment's Deployment there refreshes its status)."""
+
+    uid: str
+    namespaces: tuple[str, ...]
+
+
 @dataclass
 class OperatorState:
     """Everything the handlers and the loops share, created once before kopf starts (__main__.py).
@@ -49,6 +58,7 @@ class OperatorState:
     locks: dict[Key, asyncio.Lock] = field(default_factory=dict)  # one reconcile at a time per object
     reconciled: dict[str, float] = field(default_factory=dict)  # uid → event-loop time of its last reconcile
     objects: dict[Key, Tracked] = field(default_factory=dict)  # every InferenceDeployment the handlers saw
+    routers: dict[Key, TrackedRouter] = field(default_factory=dict)  # every InferenceRouter the handlers saw
     memories: dict[str, Memory] = field(default_factory=dict)  # uid → its autoscaling loop's memory
     autoscalers: dict[str, asyncio.Task[None]] = field(default_factory=dict)  # uid → its autoscaling loop
     leadership: Leadership = field(init=False)
@@ -109,6 +119,24 @@ class OperatorState:
         if tracked is not None and tracked.uid == uid:
             del self.objects[namespace, name]
 
+    def track_router(self, namespace: str, name: str, uid: str, namespaces: tuple[str, ...]) -> None:
+        """Remember an InferenceRouter a handler saw, for the resync and for refreshes on its fleets' changes."""
+        old = self.routers.get((namespace, name))
+        if old is not None and old.uid != uid:
+            self.reconciled.pop(old.uid, None)
+        self.routers[namespace, name] = TrackedRouter(uid, namespaces)
+
+    def forget_router(self, namespace: str, name: str, uid: str) -> None:
+        """Drop an InferenceRouter that is gone or replaced."""
+        self.reconciled.pop(uid, None)
+        tracked = self.routers.get((namespace, name))
+        if tracked is not None and tracked.uid == uid:
+            del self.routers[namespace, name]
+
+    def routers_serving(self, namespace: str) -> list[tuple[Key, str]]:
+        """The tracked routers that serve a namespace, with their uids."""
+        return [(key, t.uid) for key, t in self.routers.items() if namespace in t.namespaces]
+
     def _ended(self, uid: str, task: asyncio.Task[None]) -> None:
         if self.autoscalers.get(uid) is task:  # the loop ended by itself: its object is gone or replaced
             del self.autoscalers[uid]
@@ -131,10 +159,18 @@ class OperatorState:
         if not await self.leadership.leading():
             return
         now = asyncio.get_running_loop().time()
-        due = [(key, t.uid) for key, t in self.objects.items()
-               if (last := self.reconciled.get(t.uid)) is None or now - last >= self.cfg.resync_seconds / 2]
+
+        def due(tracked: Mapping[Key, Tracked | TrackedRouter]) -> list[tuple[Key, str]]:
+            return [(key, t.uid) for key, t in tracked.items()
+                    if (last := self.reconciled.get(t.uid)) is None or now - last >= self.cfg.resync_seconds / 2]
+
         gate = asyncio.Semaphore(RESYNC_CONCURRENCY)
-        await asyncio.gather(*(self._resync_one(ns, name, uid, gate) for (ns, name), uid in due))
+        await asyncio.gather(*(self._resync_one(ns, name, uid, gate) for (ns, name), uid in due(self.objects)),
+                             *(self._resync_router(ns, name, uid, gate) for (ns, name), uid in due(self.routers)))
+        try:  # grants a router deleted while the operator was down left in other namespaces
+            await router_reconcile.sweep(self)
+        except (ReconcileError, ApiError, aiohttp.ClientError, TimeoutError) as e:
+            log.warning(f"sweeping the grants of deleted InferenceRouters failed: {e}")
 
     async def _resync_one(self, namespace: str, name: str, uid: str, gate: asyncio.Semaphore) -> None:
         async with gate:
@@ -143,6 +179,14 @@ class OperatorState:
                     await self.forget(namespace, name, uid)  # a recreated object is tracked by its handlers
             except (ReconcileError, ApiError, aiohttp.ClientError, TimeoutError) as e:
                 log.warning(f"resync of {namespace}/{name} failed: {e}")  # the status says why; next round retries
+
+    async def _resync_router(self, namespace: str, name: str, uid: str, gate: asyncio.Semaphore) -> None:
+        async with gate:
+            try:
+                if not await router_reconcile.reconcile_router_counted(namespace, name, self, "resync", uid=uid):
+                    self.forget_router(namespace, name, uid)
+            except (ReconcileError, ApiError, aiohttp.ClientError, TimeoutError) as e:
+                log.warning(f"resync of InferenceRouter {namespace}/{name} failed: {e}")
 
 
 async def _cancel(tasks: Iterable[asyncio.Task[None]]) -> None:

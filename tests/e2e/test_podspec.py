@@ -9,7 +9,17 @@ from typing import Any
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "e2e"))
-from podspec import KWOK_AGENT_EXCLUSION, configmap_names, env_object_names, expand, process_spec, runs_agent
+from pki import _Pki
+from podspec import (
+    KWOK_LOCAL_EXCLUSION,
+    configmap_names,
+    env_object_names,
+    expand,
+    kubeconfig,
+    needs_credentials,
+    process_spec,
+    runs_locally,
+)
 
 IP, HOST_IP = "10.250.128.7", "10.249.0.1"
 
@@ -24,12 +34,13 @@ def translate(p: dict[str, Any], tmp_path: Path, **kw: Any) -> Any:
     return process_spec(p, IP, HOST_IP, tmp_path / "pod", tmp_path, {"PATH": "/venv/bin"}, **kw)
 
 
-def test_only_the_agent_command_itself_is_run() -> None:
-    assert runs_agent(pod({}))
-    assert not runs_agent(pod({"command": ["/usr/bin/kvfleet-agent"]}))  # no host binaries by path
-    assert not runs_agent(pod({"command": ["python", "-m", "kvfleet_agent"]}))
-    assert not runs_agent({"spec": {"containers": [{"name": "c", "image": "x"}]}})
-    assert KWOK_AGENT_EXCLUSION["values"] == ["kvfleet-agent"]  # kwok skips exactly these
+def test_only_the_agent_and_router_commands_themselves_are_run() -> None:
+    assert runs_locally(pod({})) and runs_locally(pod({"command": ["kvfleet-router"]}))
+    assert not runs_locally(pod({"command": ["/usr/bin/kvfleet-agent"]}))  # no host binaries by path
+    assert not runs_locally(pod({"command": ["python", "-m", "kvfleet_agent"]}))
+    assert not runs_locally(pod({"command": ["kvfleet-operator"]}))
+    assert not runs_locally({"spec": {"containers": [{"name": "c", "image": "x"}]}})
+    assert KWOK_LOCAL_EXCLUSION["values"] == ["kvfleet-agent", "kvfleet-router"]  # kwok skips exactly these
 
 
 def test_var_expansion_follows_kubernetes() -> None:
@@ -105,3 +116,32 @@ def test_env_object_names_are_fetched_before_start() -> None:
                      {"name": "C", "value": "x"}]}, volumes=[{"name": "v", "configMap": {"name": "vol"}}])
     assert env_object_names(p) == {"configmaps": {"c"}, "secrets": {"s"}}
     assert configmap_names(p) == {"vol"}  # volumes must exist; env references may be optional
+
+
+def test_a_router_pod_gets_a_kubeconfig_and_its_identity_but_an_agent_does_not(tmp_path: Path) -> None:
+    router = pod({"command": ["kvfleet-router"], "args": ["--kubernetes", "--host", "0.0.0.0", "--port", "8080"],
+                  "env": [{"name": "POD_NAMESPACE", "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}}]},
+                 serviceAccountName="front")
+    spec = translate(router, tmp_path)
+    credentials = tmp_path / "pod" / "serviceaccount"
+    assert spec.credentials == credentials and credentials in spec.dirs
+    assert (spec.env["KUBECONFIG"], spec.env["POD_NAMESPACE"], spec.env["POD_NAME"]) == (
+        str(credentials / "kubeconfig"), "ns", "p")
+    assert spec.argv[-3:] == [IP, "--port", "8080"]  # 0.0.0.0 is the pod's own IP here
+    assert needs_credentials(router) and not needs_credentials(pod({}))
+    agent = translate(pod({}), tmp_path)
+    assert agent.credentials is None and "KUBECONFIG" not in agent.env
+    opted_out = pod({"command": ["kvfleet-router"]}, automountServiceAccountToken=False)
+    assert not needs_credentials(opted_out) and translate(opted_out, tmp_path).credentials is None
+
+
+def test_the_kubeconfig_is_read_by_the_router_as_written(tmp_path: Path) -> None:
+    from kvfleet_router.kube import from_kubeconfig  # the router's own loader: the contract this file meets
+
+    pki = _Pki(tmp_path / "pki")
+    pki.make_ca()
+    (tmp_path / "token").write_text("t0k3n")
+    (tmp_path / "kubeconfig").write_text(kubeconfig("https://127.0.0.1:6443", pki.ca_crt.read_bytes(), "ns", "token"))
+    config = from_kubeconfig([tmp_path / "kubeconfig"], must_exist=True)
+    assert config.server == "https://127.0.0.1:6443" and config.token is None
+    assert config.token_file == tmp_path / "token"  # re-read by the router: the kubelet renews it in place

@@ -25,6 +25,7 @@ class FakeKube:
         self.status_writes: list[dict[str, Any]] = []  # the reconcile's (manager kvfleet-operator)
         self.writes: list[tuple[str, str, str | None, str]] = []  # (verb, kind, subresource, manager)
         self.fail: dict[str, ApiError] = {}
+        self.fail_list: dict[str, ApiError] = {}  # list calls by kind
         self.broken: BaseException | None = None
         self.deleted: list[tuple[str, str]] = []
         self.reads: list[tuple[str, str]] = []  # (kind, name) of every get
@@ -52,11 +53,19 @@ class FakeKube:
         return copy.deepcopy(obj) if obj else None
 
     async def list(self, kind: str, namespace: str, label_selector: str) -> list[dict[str, Any]]:
+        """Objects of a kind in a namespace ("": every namespace) matching `key=value` and bare `key` (exists)
+        terms; like the API's, the items carry no kind."""
         self._check()
-        want = dict(term.split("=", 1) for term in label_selector.split(",") if term)
-        return [copy.deepcopy(o) for (k, ns, _), o in sorted(self.objects.items())
-                if k == kind and ns == namespace
-                and all(o["metadata"].get("labels", {}).get(a) == b for a, b in want.items())]
+        terms = [term.split("=", 1) for term in label_selector.split(",") if term]
+        if kind in self.fail_list:
+            raise self.fail_list[kind]
+
+        def match(labels: dict[str, str]) -> bool:
+            return all(t[0] in labels and (len(t) == 1 or labels[t[0]] == t[1]) for t in terms)
+
+        return [{k: copy.deepcopy(v) for k, v in o.items() if k != "kind"}
+                for (k, ns, _), o in sorted(self.objects.items())
+                if k == kind and namespace in ("", ns) and match(o["metadata"].get("labels", {}))]
 
     async def apply(self, obj: dict[str, Any], *, subresource: str | None = None,
                     manager: str = FIELD_MANAGER) -> dict[str, Any]:

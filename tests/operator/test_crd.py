@@ -9,14 +9,16 @@ from typing import Any
 
 import yaml
 
-from kvfleet_operator.crd import CRD_FILE, REGENERATE, crd, render
+from kvfleet_operator.crd import CRD_FILE, FILES, REGENERATE, crd, render
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def test_committed_crd_is_up_to_date() -> None:
-    committed = (ROOT / "crds" / CRD_FILE).read_text()
-    assert committed == render(), f"crds/{CRD_FILE} is stale: regenerate it with `{REGENERATE}`"
+def test_committed_crds_are_up_to_date() -> None:
+    assert CRD_FILE in FILES
+    for name in FILES:
+        committed = (ROOT / "crds" / name).read_text()
+        assert committed == render(name), f"crds/{name} is stale: regenerate it with `{REGENERATE}`"
 
 
 def test_crds_kustomization_lists_every_file() -> None:
@@ -89,8 +91,14 @@ def test_names_subresources_and_columns() -> None:
     assert cols["TTFT-p95"] == ".status.autoscaling.lastTtftP95Seconds" and "Age" in cols
 
 
-def test_module_prints_the_crd() -> None:
-    p = subprocess.run([sys.executable, "-m", "kvfleet_operator.crd"], capture_output=True, text=True, timeout=60,
-                       cwd=ROOT)
+def test_module_writes_every_crd(tmp_path: Path) -> None:
+    p = subprocess.run([sys.executable, "-m", "kvfleet_operator.crd", str(tmp_path)], capture_output=True, text=True,
+                       timeout=60, cwd=ROOT)
     assert p.returncode == 0, p.stderr
-    assert p.stdout == render()
+    assert p.stdout == ""  # nothing on stdout: `... > crds/FILE`, the old way to run it, cannot clobber a file
+    assert sorted(f.name for f in tmp_path.iterdir()) == sorted(FILES)
+    for name in FILES:
+        assert (tmp_path / name).read_text() == render(name), name
+    missing = subprocess.run([sys.executable, "-m", "kvfleet_operator.crd", str(tmp_path / "nope")],
+                             capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert missing.returncode == 2 and "no directory" in missing.stderr

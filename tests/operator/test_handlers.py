@@ -24,7 +24,7 @@ BUILTIN = {**SPEC, "autoscaling": {"mode": "builtin", "minReplicas": 1, "maxRepl
                                    "targets": {"queueDepthPerReplica": 4}}}
 
 
-def test_no_handler_of_ours_puts_a_finalizer_on_inference_deployments() -> None:
+def test_no_handler_of_ours_puts_a_finalizer_on_our_resources() -> None:
     # kopf adds its finalizer for a daemon, a timer or a deletion handler that is not optional: watch those
     # public decorators while the handlers register, in a fresh interpreter (here they are registered already).
     code = """
@@ -43,7 +43,8 @@ print(json.dumps(seen))
 """
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert p.returncode == 0, p.stderr
-    assert json.loads(p.stdout) == [["delete", True]]  # one deletion handler, optional; no daemon, no timer
+    # One deletion handler per kind (InferenceDeployment, InferenceRouter), each optional; no daemon, no timer.
+    assert json.loads(p.stdout) == [["delete", True], ["delete", True]]
 
 
 def test_a_recreated_object_waits_for_garbage_collection_of_its_namesakes() -> None:

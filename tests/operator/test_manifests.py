@@ -18,7 +18,9 @@ from kvfleet_operator.config import OperatorConfig
 from kvfleet_operator.models import InferenceDeployment
 
 ROOT = Path(__file__).resolve().parents[2]
-SAMPLES = sorted((ROOT / "manifests" / "samples").glob("*.yaml"))
+# The InferenceDeployment samples (router.yaml, an InferenceRouter, is tested in test_router_manifests.py).
+SAMPLES = sorted(p for p in (ROOT / "manifests" / "samples").glob("*.yaml")
+                 if yaml.safe_load(p.read_text())["kind"] == "InferenceDeployment")
 
 
 @cache
@@ -77,15 +79,20 @@ def _allowed(group: str, resource: str, verb: str) -> bool:
 
 
 # What the operator does with each kind kube.py knows (get: ownership checks and reads; create + patch:
-# server-side apply; list + watch: kopf's watches; delete: only the args ConfigMap; pods: the autoscaler lists;
-# peering objects: kopf watches and patches them, peering.py lists them).
+# server-side apply; list + watch: kopf's watches; delete: only the args ConfigMap, an opted-out NetworkPolicy and a
+# router's grants it no longer needs; pods: the autoscaler and the router status list them, and get + watch are held
+# only to be granted to routers; peering objects: kopf watches and patches them, peering.py lists them).
 CALLS = {"Deployment": {"get", "list", "watch", "create", "patch"}, "Service": {"get", "create", "patch"},
          "PodDisruptionBudget": {"get", "create", "patch"}, "ConfigMap": {"get", "create", "patch", "delete"},
          "NetworkPolicy": {"get", "create", "patch", "delete"},
-         "Pod": {"list"}, "InferenceDeployment": {"get", "list", "watch", "patch"},
+         "Pod": {"get", "list", "watch"}, "InferenceDeployment": {"get", "list", "watch", "patch"},
+         "ServiceAccount": {"get", "create", "patch"}, "Role": {"get", "list", "create", "patch", "delete"},
+         "RoleBinding": {"get", "list", "create", "patch", "delete"},
+         "InferenceRouter": {"get", "list", "watch", "patch"},
          "ClusterKopfPeering": {"list", "watch", "patch"}}
 GROUPS = {"/api/v1": "", "/apis/apps/v1": "apps", "/apis/policy/v1": "policy",
           "/apis/networking.k8s.io/v1": "networking.k8s.io",
+          "/apis/rbac.authorization.k8s.io/v1": "rbac.authorization.k8s.io",
           "/apis/serving.kvfleet.dev/v1alpha1": "serving.kvfleet.dev", "/apis/kopf.dev/v1": "kopf.dev"}
 
 
@@ -93,10 +100,11 @@ def test_rbac_covers_every_call_and_no_more() -> None:
     assert set(kube._KINDS) == set(CALLS)
     for kind, (prefix, plural) in kube._KINDS.items():
         assert _verbs(GROUPS[prefix], plural) == CALLS[kind], kind
-    assert _verbs("serving.kvfleet.dev", "inferencedeployments/status") == {"patch"}
-    # blockOwnerDeletion on the owner references needs this under OwnerReferencesPermissionEnforcement.
-    assert _verbs("serving.kvfleet.dev", "inferencedeployments/finalizers") == {"update"}
-    assert not _allowed("serving.kvfleet.dev", "inferencedeployments", "update")  # never writes the spec
+    for plural in ("inferencedeployments", "inferencerouters"):
+        assert _verbs("serving.kvfleet.dev", f"{plural}/status") == {"patch"}
+        # blockOwnerDeletion on the owner references needs this under OwnerReferencesPermissionEnforcement.
+        assert _verbs("serving.kvfleet.dev", f"{plural}/finalizers") == {"update"}
+        assert not _allowed("serving.kvfleet.dev", plural, "update")  # never writes the spec
     assert not _allowed("", "pods", "delete") and not _allowed("", "secrets", "get")
     assert not _allowed("", "configmaps", "list")  # no cluster-wide read of every ConfigMap
     assert _verbs("", "events") == {"create", "patch"}
