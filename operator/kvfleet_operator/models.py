@@ -37,6 +37,7 @@ from kvfleet_operator.rules import (
     QUANTITY_RULE,
     RESERVED_LABELS,
     SCALE_DOWN_POLICY_RULE,
+    SCALE_TO_ZERO_RULE,
     SCALE_UP_POLICY_RULE,
     SOURCE_RULE,
     SUBPATH_RULE,
@@ -312,12 +313,15 @@ class Behavior(SpecModel):
 class AutoscalingSpec(SpecModel):
     """Who sets the replica count, and how builtin autoscaling decides."""
 
-    model_config = ConfigDict(json_schema_extra=cel(MIN_MAX_RULE, BUILTIN_TARGET_RULE))
+    model_config = ConfigDict(json_schema_extra=cel(MIN_MAX_RULE, BUILTIN_TARGET_RULE, SCALE_TO_ZERO_RULE))
     mode: Literal["off", "external", "builtin"] = "off"
     """off: spec.replicas; external: an HPA/KEDA drives spec.replicas via the scale subresource; builtin: the
     operator scales on queue depth and latency percentiles (spec.replicas is ignored)."""
-    min_replicas: int = Field(default=1, ge=1, le=1000)
-    """Fewest replicas builtin autoscaling keeps."""
+    min_replicas: int = Field(default=1, ge=0, le=1000)
+    """Fewest replicas builtin autoscaling keeps. 0: it scales to zero after scaleToZeroAfterSeconds without a
+    request, and back up as soon as a kvfleet-router holds a request for this deployment (without a router
+    answering it keeps one replica: nothing else could bring it back). Off and external modes ignore it (an
+    HPA or KEDA has its own bounds; spec.replicas may be 0 in any mode)."""
     max_replicas: int = Field(default=1, ge=1, le=1000)
     """Most replicas builtin autoscaling starts."""
     interval_seconds: int = Field(default=15, ge=5, le=600)
@@ -333,12 +337,16 @@ class AutoscalingSpec(SpecModel):
     startup_grace_seconds: int | None = Field(default=None, ge=0, le=7200)
     """Seconds a new replica may take to become ready before it stops counting as capacity on the way
     (default: learned from observed startups)."""
+    scale_to_zero_after_seconds: int = Field(default=300, ge=10, le=86400)
+    """With minReplicas 0: seconds without any request (none waiting or running on an agent, none arriving, none
+    held at a router) before builtin autoscaling scales to zero; at least intervalSeconds. Ignored otherwise."""
 
     @model_validator(mode="after")
     def _rules(self) -> AutoscalingSpec:
         check(self.min_replicas <= self.max_replicas, MIN_MAX_RULE)
         has_target = self.targets.queue_depth_per_replica is not None or bool(self.targets.latency)
         check(self.mode != "builtin" or has_target, BUILTIN_TARGET_RULE)
+        check(self.min_replicas > 0 or self.scale_to_zero_after_seconds >= self.interval_seconds, SCALE_TO_ZERO_RULE)
         return self
 
 

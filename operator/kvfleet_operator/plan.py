@@ -19,6 +19,11 @@ ChildKey = tuple[str, str]  # (kind, name) of an object an InferenceDeployment o
 Children = Mapping[ChildKey, Manifest | None]  # what the read found of each; None: absent
 
 
+# Ready's and Available's message at zero replicas in builtin mode, where zero is the autoscaler's decision.
+SCALED_TO_ZERO = ("scaled to zero by the builtin autoscaler (status.autoscaling.lastDecision says why): a request "
+                  "held at a kvfleet-router brings a replica back")
+
+
 class ReconcileError(Exception):
     """Why a reconcile could not reach the desired state: a condition reason, and whether retrying can help."""
 
@@ -95,7 +100,8 @@ class Plan:
         return observe(generation=self.generation, desired=self.desired, selector=builders.selector_string(self.name),
                        deployment=deployment, error=None if first is None else first.message,
                        previous=_ours(self.current), now=now,
-                       error_reason="ApplyFailed" if first is None else first.reason)
+                       error_reason="ApplyFailed" if first is None else first.reason,
+                       zero=SCALED_TO_ZERO if self.builtin else "no replicas are requested")
 
     def status_to_write(self, *, deployment: Manifest | None, errors: Sequence[ReconcileError],
                         now: str) -> dict[str, Any] | None:
@@ -137,6 +143,10 @@ def make_plan(body: Mapping[str, Any], children: Children, cfg: OperatorConfig, 
     ours = live if owner("Deployment", name).verdict == "ours" else None
     desired = replicas if replicas is not None else builders.replicas_for(
         cr.spec, ours["spec"].get("replicas") if ours is not None else None)
+    if replicas is None and ours is None and cr.spec.autoscaling.mode == "builtin":
+        # minReplicas 0 still creates one replica: it shows the spec serves (image, checkpoint, GPUs) while the
+        # user watches, and the autoscaler's idle window then takes it to zero.
+        desired = max(desired, 1)
     want = builders.plan(cr, cfg.agent_image, desired, operator_namespace=cfg.operator_namespace)
     writes: list[Write] = []
     for obj in want.apply:

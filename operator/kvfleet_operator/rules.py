@@ -65,6 +65,11 @@ GPU_RULE = Rule("!has(self.resources) || !has(self.resources.gpusPerReplica) || 
 MIN_MAX_RULE = Rule("self.minReplicas <= self.maxReplicas",
                     "spec.autoscaling.minReplicas must be <= maxReplicas: lower minReplicas or raise maxReplicas",
                     ".minReplicas")
+# Scale to zero (autoscaling/zero.py): idleness is seen once a round, so a shorter window could not be observed.
+SCALE_TO_ZERO_RULE = Rule("self.minReplicas > 0 || self.scaleToZeroAfterSeconds >= self.intervalSeconds",
+                          "spec.autoscaling.scaleToZeroAfterSeconds must be >= intervalSeconds when minReplicas is 0 "
+                          "(idleness is checked once a round): raise scaleToZeroAfterSeconds or lower intervalSeconds",
+                          ".scaleToZeroAfterSeconds")
 BUILTIN_TARGET_RULE = Rule(
     "self.mode != 'builtin' || (has(self.targets) && (has(self.targets.queueDepthPerReplica) || "
     "(has(self.targets.latency) && size(self.targets.latency) > 0)))",

@@ -75,8 +75,9 @@ class ScalingDecision(_Status):
     """One proposal per target; the largest wins before limits."""
     limited_by: str = Field(default="none", max_length=64)
     """What held the decision back: tolerance, scaleUpStabilization, scaleUpRate, scaleDownStabilization,
-    scaleDownRate, recentScaleDown, minReplicas, maxReplicas, partialMetrics, capacityBlocked, noMetrics or
-    none."""
+    scaleDownRate, recentScaleDown, minReplicas, maxReplicas, partialMetrics, capacityBlocked, noMetrics,
+    scaleToZeroWindow (not idle for the whole scale-to-zero window yet), noRouter (no kvfleet-router answered,
+    so zero would be a one-way trip) or none."""
     reason: str = Field(default="", max_length=1024)
     """The decision in a sentence."""
 
@@ -137,12 +138,13 @@ def condition(type_: str, ok: bool, reason: str, message: str, generation: int, 
 
 def observe(*, generation: int, desired: int, selector: str, deployment: dict[str, Any] | None,
             error: str | None, previous: list[dict[str, Any]], now: str,
-            error_reason: str = "ApplyFailed") -> dict[str, Any]:
+            error_reason: str = "ApplyFailed", zero: str = "no replicas are requested") -> dict[str, Any]:
     """The status fields the reconcile owns, from the Deployment it applied (or the error that stopped it).
 
     Ready is what `kubectl wait --for=condition=Ready`, Flux and Argo CD health read: True only once the current
     configuration is fully rolled out (no pod of an older template left) and at least `desired` replicas are
     ready, and never while an apply failed. Available says whether the model is served at all (>= 1 ready).
+    At zero desired replicas both are False with reason ScaledToZero and the message `zero`.
     """
     dstat = (deployment or {}).get("status") or {}
     replicas, ready, updated = (int(dstat.get(k) or 0) for k in ("replicas", "readyReplicas", "updatedReplicas"))
@@ -175,7 +177,7 @@ def observe(*, generation: int, desired: int, selector: str, deployment: dict[st
     if error is not None:
         ready_c = cond(READY, False, error_reason, f"the desired state is not fully applied ({counts})")
     elif desired == 0:
-        ready_c = cond(READY, False, "ScaledToZero", "no replicas are requested")
+        ready_c = cond(READY, False, "ScaledToZero", zero)
     elif stalled:
         ready_c = cond(READY, False, degraded["reason"], f"the rollout stopped making progress ({counts})")
     elif current_template and ready >= desired:
@@ -188,7 +190,7 @@ def observe(*, generation: int, desired: int, selector: str, deployment: dict[st
     if ready > 0:
         available = cond(AVAILABLE, True, "ReplicasAvailable", f"{ready}/{desired} replicas serve the model")
     elif desired == 0:
-        available = cond(AVAILABLE, False, "ScaledToZero", "no replicas are requested")
+        available = cond(AVAILABLE, False, "ScaledToZero", zero)
     else:
         available = cond(AVAILABLE, False, "NoReplicaReady", f"0/{desired} replicas are ready (loading, or waiting "
                                                              "for a node with free GPUs)")

@@ -1,6 +1,8 @@
-"""decide() properties over random policies, observations and carried state (hypothesis)."""
+"""decide() properties over random policies, observations and carried state (hypothesis), scale to zero included."""
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -31,13 +33,14 @@ def rules(draw: st.DrawFn) -> ScalingRules:
 
 @st.composite
 def policies(draw: st.DrawFn) -> AutoscalingPolicy:
-    lo = draw(st.integers(1, 5))
+    lo = draw(st.integers(0, 5))
     queue = draw(st.none() | st.floats(0.5, 200))
     latency = tuple(draw(st.lists(st.sampled_from(TARGETS), unique=True, max_size=2)))
-    return AutoscalingPolicy(min_replicas=lo, max_replicas=draw(st.integers(lo, 40)),
+    return AutoscalingPolicy(min_replicas=lo, max_replicas=draw(st.integers(max(lo, 1), 40)),
                              tolerance=draw(st.floats(0, 0.5)), queue_depth_per_replica=queue,
                              latency_targets=latency, behavior=Behavior(draw(rules()), draw(rules())),
-                             startup_grace_seconds=draw(st.none() | st.floats(0, 1000)))
+                             startup_grace_seconds=draw(st.none() | st.floats(0, 1000)),
+                             scale_to_zero_after_seconds=draw(st.floats(10, 900)))
 
 
 @st.composite
@@ -46,12 +49,17 @@ def observations(draw: st.DrawFn) -> Observation:
     ready = draw(st.integers(0, current))
     starting = current - ready
     latency = {t.source: draw(st.none() | st.floats(0, 100)) for t in TARGETS}
+    quiet = draw(st.booleans())  # half the draws idle-looking, so the rules at zero's door get exercised
+    none_or_zero = st.just(0.0) if quiet else st.none() | st.just(0.0) | st.floats(0, 10_000)
     return Observation(now=NOW, current_replicas=current, ready_replicas=ready, starting_replicas=starting,
                        reporting_replicas=draw(st.integers(0, ready)),
                        unschedulable_replicas=draw(st.integers(0, starting)),
-                       queue_depth=draw(st.none() | st.floats(0, 10_000)), latency=latency,
+                       queue_depth=draw(none_or_zero), latency=latency,
                        new_startup_durations=tuple(draw(st.lists(st.floats(1, 900), max_size=3))),
-                       starting_ages=tuple(draw(st.lists(st.floats(0, 2000), min_size=starting, max_size=starting))))
+                       starting_ages=tuple(draw(st.lists(st.floats(0, 2000), min_size=starting, max_size=starting))),
+                       held_requests=draw(st.just(0.0) if quiet else st.sampled_from([0.0, 1.0]) | st.floats(0, 500)),
+                       routers_reporting=draw(st.integers(0, 3)), routers_failing=draw(st.integers(0, 1)),
+                       requests_arrived=draw(none_or_zero))
 
 
 @st.composite
@@ -60,7 +68,7 @@ def states(draw: st.DrawFn) -> AutoscalerState:
     recs = draw(st.lists(st.builds(Recommendation, times, st.integers(0, 80)), max_size=20))
     events = draw(st.lists(st.builds(ScaleEvent, times, st.integers(-20, 20).filter(bool)), max_size=6))
     durations = draw(st.lists(st.floats(1, 900), max_size=12))
-    return AutoscalerState(tuple(recs), tuple(events), tuple(durations))
+    return AutoscalerState(tuple(recs), tuple(events), tuple(durations), (), draw(st.none() | times))
 
 
 @settings(max_examples=200, deadline=None)
@@ -97,3 +105,32 @@ def test_decision_is_deterministic_and_state_stays_bounded(policy: AutoscalingPo
     assert (first.desired_replicas != obs.current_replicas) == (first.state.scale_events[-1:] ==
                                                                (ScaleEvent(NOW, first.desired_replicas
                                                                            - obs.current_replicas),))
+
+
+def demand(obs: Observation) -> bool:
+    return obs.held_requests > 0 or (obs.queue_depth or 0) > 0
+
+
+@settings(max_examples=300, deadline=None)
+@given(policies(), observations(), states())
+def test_never_to_zero_while_anything_is_held_waiting_running_or_unknown(policy: AutoscalingPolicy, obs: Observation,
+                                                                          state: AutoscalerState) -> None:
+    d = decide(policy, obs, state)
+    if d.desired_replicas == 0:
+        assert policy.min_replicas == 0 and not demand(obs)
+        if obs.current_replicas > 0:  # the step to zero itself: a whole idle window, with a router to come back
+            assert obs.queue_depth == 0 and obs.requests_arrived == 0 and obs.routers_failing == 0
+            assert obs.reporting_replicas == obs.ready_replicas > 0 and obs.routers_reporting > 0
+            assert state.idle_since is not None and NOW - state.idle_since >= policy.scale_to_zero_after_seconds
+    if d.state.idle_since is not None:  # an idle stretch is never carried across demand
+        assert not demand(obs) and d.state.idle_since in (NOW, state.idle_since)
+
+
+@settings(max_examples=300, deadline=None)
+@given(policies(), observations(), states(), st.floats(0.5, 500))
+def test_a_held_request_always_leaves_zero(policy: AutoscalingPolicy, obs: Observation, state: AutoscalerState,
+                                           held: float) -> None:
+    at_zero = replace(obs, current_replicas=0, ready_replicas=0, starting_replicas=0, reporting_replicas=0,
+                      unschedulable_replicas=0, starting_ages=(), held_requests=held)
+    d = decide(policy, at_zero, state)
+    assert 1 <= d.desired_replicas <= policy.max_replicas and d.state.scale_events[-1].change == d.desired_replicas

@@ -37,6 +37,8 @@ CASES: list[tuple[str, dict[str, Any], rules.Rule]] = [
     ("gpus not a multiple of TP", {"runtime": {"tensorParallelSize": 4}, "resources": {"gpusPerReplica": 6}},
      rules.GPU_RULE),
     ("min > max", {"autoscaling": {"minReplicas": 3}}, rules.MIN_MAX_RULE),
+    ("idle window under the interval at minReplicas 0", {"autoscaling": {
+        "minReplicas": 0, "intervalSeconds": 30, "scaleToZeroAfterSeconds": 20}}, rules.SCALE_TO_ZERO_RULE),
     ("builtin without a target", {"autoscaling": {"mode": "builtin", "maxReplicas": 3}}, rules.BUILTIN_TARGET_RULE),
     ("latency budget 0", {"autoscaling": {"targets": {"latency": [{"metric": "ttft", "seconds": 0}]}}},
      rules.LATENCY_SECONDS_RULE),

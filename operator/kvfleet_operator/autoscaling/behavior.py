@@ -57,6 +57,13 @@ class Behavior:
     scale_down: ScalingRules = DEFAULT_SCALE_DOWN
 
 
+def event_horizon(up: ScalingRules, down: ScalingRules) -> int:
+    """Seconds a scale event stays relevant: the longest rate-limit period, and the scale-down window (within which
+    decide() refuses to reverse a scale-down on noise)."""
+    period = max((p.period_seconds for p in up.policies + down.policies), default=0)
+    return max(period, down.stabilization_window_seconds)
+
+
 def stabilize(current: int, desired: int, recs: tuple[Recommendation, ...], up: ScalingRules,
                down: ScalingRules, now: float) -> int:
     """HPA: scale up to the lowest recommendation within the up window, down to the highest within the down one."""

@@ -27,16 +27,17 @@
 #   target over its tolerance, or the queue over twice its tolerance (a ripple that the scale-down window
 #   held, then released, must not bring the replica straight back).
 # - Guards: never down on partial metrics; never up while pods are unschedulable; no proposals: no change.
-# - Last, clamp to [min, max]: the user's explicit bound wins over every rule above.
+# - Last, clamp to [min, max]: the user's explicit bound wins over every rule above. With minReplicas 0 the
+#   rules above stop at one replica; zero is reached, and left, only by zero.py's rules (an idle window; requests
+#   held at a router), which also decide alone while the fleet is at zero. Held requests count as queue depth.
 
 from __future__ import annotations
 
 import math
 import statistics
-from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Literal
 
+from kvfleet_operator.autoscaling import zero
 from kvfleet_operator.autoscaling.behavior import (
     DEFAULT_SCALE_DOWN,
     DEFAULT_SCALE_UP,
@@ -45,126 +46,27 @@ from kvfleet_operator.autoscaling.behavior import (
     ScaleEvent,
     ScalingPolicy,
     ScalingRules,
+    event_horizon,
     rate_limit,
     stabilize,
 )
+from kvfleet_operator.autoscaling.decision import (
+    AutoscalerState,
+    AutoscalingPolicy,
+    Decision,
+    LatencyTarget,
+    LimitedBy,
+    Observation,
+    Proposal,
+)
+from kvfleet_operator.autoscaling.reason import explain
 from kvfleet_operator.autoscaling.trend import TREND_WINDOW_S, Projection, trend
 
-Mode = Literal["builtin", "external", "off"]
-LatencyMetric = Literal["ttft", "itl", "e2e"]
-LimitedBy = Literal["none", "tolerance", "scaleUpStabilization", "scaleUpRate", "scaleDownStabilization",
-                    "scaleDownRate", "recentScaleDown", "minReplicas", "maxReplicas", "partialMetrics",
-                    "capacityBlocked", "noMetrics"]
 STARTUP_HISTORY = 10  # startup durations kept; the median of these is the expected time to ready
 # Queue depth per replica ∝ (load per replica)^k. For a replica whose step time grows linearly with its batch,
 # depth = r·A / (1 - r·B): the local exponent is 1 + rB / (1 - rB), 1.5 at a third of the decode-bound
 # saturation rate, where a sensible queue target sits. The simulator's replica measures ~1.5 there as well.
 QUEUE_DEPTH_EXPONENT = 1.5
-
-
-@dataclass(frozen=True)
-class LatencyTarget:
-    """Keep the fleet's `percentile` of `metric` (over the metrics window) at or under `seconds`."""
-
-    metric: LatencyMetric
-    percentile: float
-    seconds: float
-
-    @property
-    def source(self) -> str:
-        """The key of this target in Observation.latency and in proposals, e.g. "ttft_p95"."""
-        return f"{self.metric}_p{self.percentile:g}"
-
-
-@dataclass(frozen=True)
-class AutoscalingPolicy:
-    """spec.autoscaling, free of Kubernetes types. Only mode "builtin" is decided here (see decide())."""
-
-    mode: Mode = "builtin"
-    min_replicas: int = 1
-    max_replicas: int = 10
-    tolerance: float = 0.1
-    queue_depth_per_replica: float | None = None
-    latency_targets: tuple[LatencyTarget, ...] = ()
-    behavior: Behavior = field(default_factory=Behavior)
-    startup_grace_seconds: float | None = None  # None: twice the expected (learned) startup time
-
-
-@dataclass(frozen=True)
-class Observation:
-    """What the operator saw this round. Starting = pods that exist but are not ready (pending ones included)."""
-
-    now: float
-    current_replicas: int  # the Deployment's spec.replicas
-    ready_replicas: int
-    starting_replicas: int
-    reporting_replicas: int  # ready pods whose /metrics scrape succeeded
-    unschedulable_replicas: int = 0  # Pending-Unschedulable past the grace period
-    queue_depth: float | None = None  # waiting + running summed over reporting pods, newest scrape
-    queue_depth_mean: float | None = None  # the same averaged over the metrics window (None: only the newest)
-    request_rate: float | None = None  # requests/s admitted over the last scrape interval, all pods (None: unknown)
-    latency: Mapping[str, float | None] = field(default_factory=dict)  # LatencyTarget.source → seconds, None: no data
-    new_startup_durations: tuple[float, ...] = ()  # creation → ready of pods that became ready since last round
-    starting_ages: tuple[float, ...] = ()  # seconds since creation of each starting pod (empty: all on the way)
-
-
-@dataclass(frozen=True)
-class AutoscalerState:
-    """Everything carried between decisions; to_dict()/from_dict() let the operator persist it across restarts."""
-
-    recommendations: tuple[Recommendation, ...] = ()
-    scale_events: tuple[ScaleEvent, ...] = ()
-    startup_durations: tuple[float, ...] = ()
-    rates: tuple[tuple[float, float], ...] = ()  # (time, the fleet's request rate) for the trend
-
-    def to_dict(self) -> dict[str, Any]:
-        """JSON-ready form."""
-        return {"recommendations": [[r.time, r.replicas] for r in self.recommendations],
-                "scaleEvents": [[e.time, e.change] for e in self.scale_events],
-                "startupDurations": list(self.startup_durations), "requestRates": [[t, x] for t, x in self.rates]}
-
-    @classmethod
-    def from_dict(cls, d: Mapping[str, Any]) -> AutoscalerState:
-        """Inverse of to_dict()."""
-        return cls(tuple(Recommendation(float(t), int(n)) for t, n in d.get("recommendations", [])),
-                   tuple(ScaleEvent(float(t), int(n)) for t, n in d.get("scaleEvents", [])),
-                   tuple(float(x) for x in d.get("startupDurations", [])),
-                   tuple((float(t), float(x)) for t, x in d.get("requestRates", [])))
-
-
-@dataclass(frozen=True)
-class Proposal:
-    """One signal's answer: the replicas its formula asks for (before tolerance and the cold-start rule)."""
-
-    source: str  # "queue" or a LatencyTarget.source
-    observed: float  # queue: total depth; latency: seconds
-    target: float  # queue: per replica; latency: seconds
-    replicas: int
-
-
-@dataclass(frozen=True)
-class Decision:
-    """The outcome of one round, with its inputs and reason, and the state to carry to the next round."""
-
-    time: float
-    current_replicas: int
-    ready_replicas: int
-    starting_replicas: int
-    desired_replicas: int
-    proposals: tuple[Proposal, ...]
-    limited_by: LimitedBy
-    reason: str
-    expected_startup_seconds: float | None
-    state: AutoscalerState
-
-    def status(self) -> dict[str, Any]:
-        """The CR status form (camelCase), without the carried state."""
-        return {"time": self.time, "currentReplicas": self.current_replicas, "readyReplicas": self.ready_replicas,
-                "startingReplicas": self.starting_replicas, "desiredReplicas": self.desired_replicas,
-                "proposals": [{"source": p.source, "observed": p.observed, "target": p.target,
-                               "replicas": p.replicas} for p in self.proposals],
-                "limitedBy": self.limited_by, "reason": self.reason,
-                "expectedStartupSeconds": self.expected_startup_seconds}
 
 
 def decide(policy: AutoscalingPolicy, obs: Observation, state: AutoscalerState) -> Decision:
@@ -176,6 +78,8 @@ def decide(policy: AutoscalingPolicy, obs: Observation, state: AutoscalerState) 
     now, current = obs.now, obs.current_replicas
     durations = (state.startup_durations + obs.new_startup_durations)[-STARTUP_HISTORY:]
     expected = statistics.median(durations) if durations else None
+    if current == 0:
+        return zero.from_zero(policy, obs, state, durations, expected)
     # Like HPA's first sync: seed the windows with the current count, so a restart does not scale down at once.
     recs = state.recommendations or (Recommendation(now, current),)
     grace = policy.startup_grace_seconds if policy.startup_grace_seconds is not None else (
@@ -210,19 +114,27 @@ def decide(policy: AutoscalingPolicy, obs: Observation, state: AutoscalerState) 
         desired, limited = current, "partialMetrics"
     if obs.unschedulable_replicas > 0 and desired > current:
         desired, limited = current, "capacityBlocked"
-    if desired < policy.min_replicas or desired > policy.max_replicas:
-        limited = "minReplicas" if desired < policy.min_replicas else "maxReplicas"
-        desired = min(max(desired, policy.min_replicas), policy.max_replicas)
+    idle = zero.idle_since(obs, state.idle_since)
+    step = zero.to_zero(policy, obs, idle)  # None unless minReplicas is 0
+    floor = max(policy.min_replicas, 1)  # the rules above never take the last replica (zero.py's rules do)
+    if desired < floor or desired > policy.max_replicas:
+        limited = "maxReplicas" if desired > policy.max_replicas else "minReplicas" if step is None else step.limited
+        desired = min(max(desired, floor), policy.max_replicas)
+    if step is not None and step.go:
+        desired, limited = 0, "none"
     horizon = max(up.stabilization_window_seconds, down.stabilization_window_seconds)
-    # Scale events are kept for the rate-limit periods and, for the reversal rule, the scale-down window.
-    period = max((p.period_seconds for p in up.policies + down.policies), default=0)
-    period = max(period, down.stabilization_window_seconds)
     new_state = AutoscalerState(
         (*(r for r in recs if r.time > now - horizon), Recommendation(now, raw)),
-        (*(e for e in state.scale_events if e.time > now - period),
+        (*(e for e in state.scale_events if e.time > now - event_horizon(up, down)),
          *((ScaleEvent(now, desired - current),) if desired != current else ())),
-        durations, rates)
-    reason = _reason(policy, obs, winner, raw, desired, limited, expected, now - last_down)
+        durations, rates, idle)
+    if step is not None and step.go:
+        reason = step.text
+    else:
+        reason = explain(policy, obs, winner, raw, desired, limited, expected, now - last_down,
+                         step.text if step is not None else "")
+        if step is not None and step.note and limited not in ("scaleToZeroWindow", "noRouter"):
+            reason += f" ({step.note})"
     if v.trend_note and winner is not None and winner.source == "queue":
         reason += f" ({v.trend_note})"
     if stale:
@@ -270,8 +182,17 @@ def _proposals(policy: AutoscalingPolicy, obs: Observation, stale: int, proj: Pr
 
     target = policy.queue_depth_per_replica
     queue_agrees: bool | None = None  # whether the queue asks for more than what serves or is on its way
-    depths = [q for q in (obs.queue_depth, obs.queue_depth_mean) if q is not None]
-    if target is not None and depths and obs.reporting_replicas > 0:
+    # Requests a router holds for this deployment wait as surely as those in an agent's queue.
+    depths = [q + obs.held_requests for q in (obs.queue_depth, obs.queue_depth_mean) if q is not None]
+    if target is not None and obs.reporting_replicas == 0 and obs.held_requests > 0:
+        # No replica serves yet (all starting): the held requests alone size the fleet, linearly (there is no
+        # served load to scale from), against what is on its way.
+        n = _ceil(obs.held_requests / target)
+        p = Proposal("queue", obs.held_requests, target, n)
+        v.proposals.append(p)
+        v.votes.append((up(n) if n > effective else current, p))
+        queue_agrees = n > effective
+    elif target is not None and depths and obs.reporting_replicas > 0:
         # Depth = rate × time in system (Little), and a batched step slows as the batch grows, so depth per
         # replica grows faster than load per replica: n replicas would each hold per_pod × (ready / n)^k.
         # (HPA assumes k = 1: it overshoots while new replicas load, and removes too many, then adds them
@@ -339,58 +260,6 @@ def _proposals(policy: AutoscalingPolicy, obs: Observation, stale: int, proj: Pr
     return v
 
 
-def _describe_rate(rules: ScalingRules, up: bool) -> str:
-    """E.g. "+100% or +4 pods per 15s, whichever is more"."""
-    sign = "+" if up else "-"
-    parts = [f"{sign}{p.value}{'%' if p.type == 'Percent' else ' pods'} per {p.period_seconds}s"
-             for p in rules.policies]
-    if len(parts) == 1:
-        return parts[0]
-    return " or ".join(parts) + (", whichever is more" if rules.select_policy == "Max" else ", whichever is less")
-
-
-def _reason(policy: AutoscalingPolicy, obs: Observation, win: Proposal | None, raw: int, desired: int,
-            limited: LimitedBy, expected: float | None, since_down: float) -> str:
-    """One human sentence: the winning signal, the proposal, and what limited it."""
-    starting = f" + {obs.starting_replicas} starting" if obs.starting_replicas else ""
-    fleet = f"with {obs.ready_replicas} ready{starting}"
-    if win is None:
-        head = f"no metrics from {obs.ready_replicas} ready ({obs.reporting_replicas} reporting)"
-    else:
-        if win.source == "queue":
-            head = f"queue depth {win.observed:g} at target {win.target:g} per replica {fleet}"
-        else:
-            cmp = ">" if win.observed > win.target else "<="
-            name = win.source.replace("_", " ")
-            head = f"{name} {win.observed:.3g}s {cmp} target {win.target:g}s {fleet}"
-        head += f": proposing {win.replicas}"
-        if obs.starting_replicas and obs.ready_replicas < win.replicas <= obs.current_replicas:
-            eta = f", expected ready in ~{expected:.0f}s" if expected is not None else ""
-            head += f", covered by the {obs.starting_replicas} starting{eta}"
-    b, k = policy.behavior, desired
-    tail = {
-        "none": f"{'scaling to' if k != obs.current_replicas else 'keeping'} {k}", "noMetrics": f"keeping {k}",
-        "tolerance": f"within tolerance {policy.tolerance:.0%}, keeping {k}",
-        "scaleUpStabilization": f"held at {k} by the {b.scale_up.stabilization_window_seconds}s scale-up "
-                                "stabilization window",
-        "scaleDownStabilization": f"held at {k} by the {b.scale_down.stabilization_window_seconds}s scale-down "
-                                  "stabilization window",
-        "scaleUpRate": f"limited to {k} by scale-up rate ({_describe_rate(b.scale_up, True)})",
-        "scaleDownRate": f"limited to {k} by scale-down rate ({_describe_rate(b.scale_down, False)})",
-        "recentScaleDown": f"keeping {k}: scaled down {since_down:.0f}s ago, and within the "
-                           f"{b.scale_down.stabilization_window_seconds}s scale-down window scaling back up takes "
-                           f"a latency target over tolerance or the queue over twice the tolerance",
-        "partialMetrics": f"keeping {k}: only {obs.reporting_replicas} of {obs.ready_replicas} ready pods reported "
-                          "metrics, never scaling down on partial data",
-        "capacityBlocked": f"keeping {k}: {obs.unschedulable_replicas} pods unschedulable, no scale-up until they "
-                           "schedule",
-        "minReplicas": f"raised to minReplicas {k}", "maxReplicas": f"capped at maxReplicas {k}",
-    }[limited]
-    if raw != desired and limited in ("none", "minReplicas", "maxReplicas"):
-        tail = f"recommending {raw}, " + tail
-    return f"{head}; {tail}"
-
-
 __all__ = ["DEFAULT_SCALE_DOWN", "DEFAULT_SCALE_UP", "AutoscalerState", "AutoscalingPolicy", "Behavior", "Decision",
-           "LatencyTarget", "Observation", "Proposal", "Recommendation", "ScaleEvent", "ScalingPolicy",
+           "LatencyTarget", "LimitedBy", "Observation", "Proposal", "Recommendation", "ScaleEvent", "ScalingPolicy",
            "ScalingRules", "decide", "fleet_load", "rate_limit", "stabilize"]

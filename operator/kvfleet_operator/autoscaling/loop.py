@@ -16,9 +16,11 @@ from kvfleet_operator import metrics, reconcile
 from kvfleet_operator.autoscaling.decide import Decision, Observation, decide
 from kvfleet_operator.autoscaling.fleet import Fleet, classify
 from kvfleet_operator.autoscaling.memory import Memory
+from kvfleet_operator.autoscaling.router_demand import RouterDemand, router_demand
 from kvfleet_operator.autoscaling.scrape import scrape_pods
 from kvfleet_operator.autoscaling.status import autoscaling_status, conditions, policy, rebuild_state
 from kvfleet_operator.builders import selector_string
+from kvfleet_operator.config import OperatorConfig
 from kvfleet_operator.kube import AUTOSCALER_MANAGER, ApiError, KubeClient
 from kvfleet_operator.models import API_VERSION, KIND, InferenceDeploymentSpec
 from kvfleet_operator.ownership import classify as ownership
@@ -41,6 +43,12 @@ class Context(reconcile.Context, Protocol):
 
 def memory(ctx: Context, uid: str) -> Memory:
     return ctx.memories.setdefault(uid, Memory())
+
+
+def router_scope(cfg: OperatorConfig) -> tuple[str, ...] | None:
+    """Where router pods are looked for: the namespaces this operator watches, or every namespace (None) when it
+    runs cluster-wide. Not only the deployment's own: an InferenceRouter may route to other namespaces."""
+    return cfg.namespaces or None
 
 
 async def run(namespace: str, name: str, uid: str, ctx: Context, *, sleep: Sleep = asyncio.sleep) -> None:
@@ -91,7 +99,11 @@ async def tick(namespace: str, name: str, uid: str, ctx: Context, *, clock: Call
     now = clock()
     mem = memory(ctx, uid)
     fleet = classify(await kube.list("Pod", namespace, selector_string(name)), now, cfg.unschedulable_grace_seconds)
-    result = await scrape_pods(fleet.targets(), timeout=cfg.scrape_timeout_seconds, clock=clock)
+    # The routers are read every round, not only at zero: a router holding requests (no replica was ready) is
+    # demand at any replica count, and scaling to zero needs them all read and holding nothing.
+    result, demand = await asyncio.gather(
+        scrape_pods(fleet.targets(), timeout=cfg.scrape_timeout_seconds, clock=clock),
+        router_demand(kube, router_scope(cfg), timeout=cfg.scrape_timeout_seconds))
     for err in result.errors.values():
         metrics.SCRAPE_ERRORS.labels(reason=metrics.scrape_error_reason(err)).inc()
     mem.window.seconds = float(a.window_seconds)
@@ -117,7 +129,9 @@ async def tick(namespace: str, name: str, uid: str, ctx: Context, *, clock: Call
         unschedulable_replicas=len(fleet.unschedulable), queue_depth=queue, queue_depth_mean=queue_mean,
         request_rate=mem.window.request_rate(),  # decide() takes no rate sample on partial metrics
         latency={t.source: mem.window.latency(t.metric, t.percentile / 100) for t in pol.latency_targets},
-        new_startup_durations=mem.startups.observe(fleet), starting_ages=fleet.starting_ages(now))
+        new_startup_durations=mem.startups.observe(fleet), starting_ages=fleet.starting_ages(now),
+        held_requests=demand.of(namespace, name), routers_reporting=len(demand.reporting),
+        routers_failing=len(demand.errors), requests_arrived=mem.window.arrivals() if complete else None)
     carried = mem.state if mem.state is not None else rebuild_state(previous)
     d = decide(pol, obs, carried)
     if d.desired_replicas != d.current_replicas:
@@ -131,20 +145,20 @@ async def tick(namespace: str, name: str, uid: str, ctx: Context, *, clock: Call
     mem.state = d.state
     metrics.set_desired(namespace, name, d.limited_by, d.desired_replicas)
     metrics.AUTOSCALE_TICKS.labels(result="scaled" if d.desired_replicas != d.current_replicas else "kept").inc()
-    await _write_status(kube, cr, d, fleet, result.errors, mem.window.quantile("ttft", 0.95), post_event)
+    await _write_status(kube, cr, d, fleet, result.errors, demand, mem.window.quantile("ttft", 0.95), post_event)
     return float(a.interval_seconds)
 
 
 async def _write_status(kube: KubeClient, cr: dict[str, Any], d: Decision, fleet: Fleet, errors: Mapping[str, str],
-                        ttft_p95: float | None, post_event: EventFn | None) -> None:
+                        routers: RouterDemand, ttft_p95: float | None, post_event: EventFn | None) -> None:
     meta, status = cr["metadata"], cr.get("status") or {}
     previous = [c for c in status.get("conditions") or [] if c.get("type") in AUTOSCALER_CONDITIONS]
     conds = conditions(d, fleet, errors, generation=int(meta.get("generation") or 0), now=now_rfc3339(),
-                       previous=previous)
+                       previous=previous, routers=routers)
     was = {c["type"]: c.get("status") for c in previous}
     for c in conds:  # a warning when capacity or metrics go missing, once per transition rather than every round
         blocked = c["type"] == CAPACITY_BLOCKED and c["status"] == "True"
-        blind = c["type"] == METRICS_AVAILABLE and c["reason"] == "ScrapeFailed"
+        blind = c["type"] == METRICS_AVAILABLE and c["reason"] in ("ScrapeFailed", "RouterScrapeFailed", "NoRouter")
         if (blocked or blind) and was.get(c["type"]) != c["status"]:
             _event(post_event, cr, "Warning", c["reason"], c["message"])
     body = autoscaling_status(d, status.get("autoscaling"), ttft_p95).model_dump(mode="json", by_alias=True,

@@ -43,6 +43,7 @@ class Snapshot:
     waiting: float
     running: float
     histograms: Mapping[str, Histogram] = field(default_factory=dict)  # keyed by HISTOGRAMS' short names
+    requests: float | None = None  # kvfleet_requests_total over every outcome (None: an agent without it)
 
     @property
     def queue_depth(self) -> float:
@@ -61,11 +62,16 @@ class ScrapeResult:
 def parse_exposition(text: str, pod: str, at: float, model: str | None = None) -> Snapshot:
     """Parse an agent's text exposition; label sets are summed (one agent serves one model) unless `model` picks one."""
     gauges: dict[str, float] = {}
+    requests: float | None = None
     parts: dict[str, dict[str, float]] = {short: {} for short in HISTOGRAMS}
     by_family = {family: short for short, family in HISTOGRAMS.items()}
     try:
         for fam in text_string_to_metric_families(text):
             short = by_family.get(fam.name)
+            if fam.name == contract.REQUESTS:
+                requests = sum(s.value for s in fam.samples if s.name.endswith("_total") and (
+                    model is None or s.labels.get(contract.MODEL_LABEL) == model))
+                continue
             if fam.name not in (WAITING, RUNNING) and short is None:
                 continue
             for s in fam.samples:
@@ -83,7 +89,7 @@ def parse_exposition(text: str, pod: str, at: float, model: str | None = None) -
     if missing:
         raise ParseError(f"missing {', '.join(missing)}")
     hists = {short: h for short, p in parts.items() if (h := _histogram(p)) is not None}
-    return Snapshot(pod, at, gauges[WAITING], gauges[RUNNING], hists)
+    return Snapshot(pod, at, gauges[WAITING], gauges[RUNNING], hists, requests)
 
 
 def _histogram(parts: Mapping[str, float]) -> Histogram | None:
@@ -170,6 +176,7 @@ class MetricsWindow:
     def __init__(self, seconds: float = 60.0) -> None:
         self.seconds = seconds
         self._history: dict[str, deque[Snapshot]] = {}
+        self._previous: dict[str, Snapshot] = {}  # the sample before each pod's newest, even out of the window
 
     def update(self, snapshots: Iterable[Snapshot], live: Collection[str] | None = None,
                now: float | None = None) -> None:
@@ -177,6 +184,8 @@ class MetricsWindow:
         for s in snapshots:
             hist = self._history.setdefault(s.pod, deque())
             if not hist or s.time > hist[-1].time:
+                if hist:
+                    self._previous[s.pod] = hist[-1]
                 hist.append(s)
         if live is not None:
             for pod in [p for p in self._history if p not in live]:
@@ -188,6 +197,8 @@ class MetricsWindow:
                 hist.popleft()
         for pod in [p for p, h in self._history.items() if not h]:
             del self._history[pod]
+        for pod in [p for p in self._previous if p not in self._history]:
+            del self._previous[pod]
 
     def pods(self) -> set[str]:
         """Pods with at least one sample in the window."""
@@ -238,6 +249,19 @@ class MetricsWindow:
                 return None
             inc = _increase([samples[0].histograms[metric], samples[1].histograms[metric]])
             total += inc.count / (samples[1].time - samples[0].time)
+        return total if self._history else None
+
+    def arrivals(self) -> float | None:
+        """Requests finished or refused over each pod's last scrape interval (kvfleet_requests_total's increase,
+        from 0 after a restart), summed across pods: with waiting + running at 0 now, 0 means none arrived in that
+        interval. None unless every pod has two samples with the counter (the older may predate the window)."""
+        total = 0.0
+        for pod, hist in self._history.items():
+            previous = self._previous.get(pod)
+            before, after = (previous.requests, hist[-1].requests) if previous is not None else (None, None)
+            if before is None or after is None:
+                return None
+            total += after - before if after >= before else after
         return total if self._history else None
 
     def quantile(self, metric: str, q: float, last: bool = False) -> float | None:

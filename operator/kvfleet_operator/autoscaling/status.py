@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from datetime import UTC, datetime
 from typing import Any
 
@@ -21,6 +21,7 @@ from kvfleet_operator.autoscaling.decide import (
     ScalingRules,
 )
 from kvfleet_operator.autoscaling.fleet import Fleet, timestamp
+from kvfleet_operator.autoscaling.router_demand import RouterDemand
 from kvfleet_operator.models import AutoscalingSpec, ScaleDownRules, ScaleUpRules
 from kvfleet_operator.status import (
     AUTOSCALER_CONDITIONS,
@@ -55,7 +56,7 @@ def policy(a: AutoscalingSpec) -> AutoscalingPolicy:
         queue_depth_per_replica=a.targets.queue_depth_per_replica,
         latency_targets=tuple(LatencyTarget(t.metric, t.percentile, t.seconds) for t in a.targets.latency),
         behavior=Behavior(_rules(a.behavior.scale_up), _rules(a.behavior.scale_down)),
-        startup_grace_seconds=a.startup_grace_seconds)
+        startup_grace_seconds=a.startup_grace_seconds, scale_to_zero_after_seconds=a.scale_to_zero_after_seconds)
 
 
 def _finite(x: float | None) -> float | None:
@@ -93,14 +94,16 @@ def _camel(limited_by: str) -> str:
 
 
 def conditions(d: Decision, fleet: Fleet, errors: Mapping[str, str], *, generation: int, now: str,
-               previous: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """ScalingActive, ScalingLimited, CapacityBlocked and MetricsAvailable for decision `d`."""
+               previous: list[dict[str, Any]], routers: RouterDemand | None = None) -> list[dict[str, Any]]:
+    """ScalingActive, ScalingLimited, CapacityBlocked and MetricsAvailable for decision `d` (at zero replicas,
+    MetricsAvailable speaks of the `routers`: their held requests are then the only demand to read)."""
     prev = {c.get("type", ""): c for c in previous if c.get("type") in AUTOSCALER_CONDITIONS}
 
     def cond(type_: str, ok: bool, reason: str, message: str) -> dict[str, Any]:
         return condition(type_, ok, reason, message, generation, now, prev)
 
     active = (cond(SCALING_ACTIVE, False, "NoMetrics", d.reason) if d.limited_by == "noMetrics"
+              else cond(SCALING_ACTIVE, True, "ScaledToZero", d.reason) if d.desired_replicas == 0
               else cond(SCALING_ACTIVE, True, "ValidMetricFound", d.reason))
     limited = (cond(SCALING_LIMITED, False, "DesiredWithinRange", d.reason) if d.limited_by == "none"
                else cond(SCALING_LIMITED, True, _camel(d.limited_by), d.reason))
@@ -113,7 +116,9 @@ def conditions(d: Decision, fleet: Fleet, errors: Mapping[str, str], *, generati
         blocked = cond(CAPACITY_BLOCKED, False, "AllPodsSchedulable", "no pod is waiting for capacity")
     ready = len(fleet.ready)
     reporting = ready - sum(1 for p in fleet.ready if p.name in errors)
-    if ready == 0:
+    if ready == 0 and d.current_replicas == 0 and routers is not None:
+        metrics = _at_zero(cond, routers)
+    elif ready == 0:
         metrics = cond(METRICS_AVAILABLE, False, "NoReadyReplicas", "no ready pod to read metrics from")
     elif errors:
         detail = "; ".join(f"{pod}: {err}" for pod, err in sorted(errors.items()))
@@ -126,6 +131,22 @@ def conditions(d: Decision, fleet: Fleet, errors: Mapping[str, str], *, generati
     for c in out:
         Condition.model_validate(c)  # the CRD would refuse it: fail here, where the bug is
     return out
+
+
+def _at_zero(cond: Callable[[str, bool, str, str], dict[str, Any]], routers: RouterDemand) -> dict[str, Any]:
+    """MetricsAvailable at zero replicas: whether every router could say what it holds for this deployment."""
+    n, total = len(routers.reporting), len(routers.reporting) + len(routers.errors)
+    if routers.errors:
+        detail = "; ".join(f"{r}: {e}" for r, e in routers.errors.items())
+        return cond(METRICS_AVAILABLE, False, "RouterScrapeFailed",
+                    f"at zero replicas, {n}/{total} kvfleet-routers reported their held requests (requests held at "
+                    f"the others do not bring a replica back): {detail}")
+    if n == 0:
+        return cond(METRICS_AVAILABLE, False, "NoRouter",
+                    "at zero replicas, and no ready kvfleet-router pod (label app.kubernetes.io/name=kvfleet-router) "
+                    "was found: no held request can bring a replica back")
+    return cond(METRICS_AVAILABLE, True, "RoutersReporting",
+                f"at zero replicas: {n}/{n} kvfleet-routers reported their held requests")
 
 
 def rebuild_state(previous: Mapping[str, Any] | None) -> AutoscalerState:

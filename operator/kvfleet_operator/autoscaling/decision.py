@@ -1,0 +1,134 @@
+"""decide()'s plain data: the policy and the observation in, the state carried between rounds, the decision out."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from kvfleet_operator.autoscaling.behavior import Behavior, Recommendation, ScaleEvent
+
+Mode = Literal["builtin", "external", "off"]
+LatencyMetric = Literal["ttft", "itl", "e2e"]
+LimitedBy = Literal["none", "tolerance", "scaleUpStabilization", "scaleUpRate", "scaleDownStabilization",
+                    "scaleDownRate", "recentScaleDown", "minReplicas", "maxReplicas", "partialMetrics",
+                    "capacityBlocked", "noMetrics", "scaleToZeroWindow", "noRouter"]
+# The idle window's default, as spec.autoscaling.scaleToZeroAfterSeconds's in models.py.
+SCALE_TO_ZERO_AFTER_S = 300
+
+
+@dataclass(frozen=True)
+class LatencyTarget:
+    """Keep the fleet's `percentile` of `metric` (over the metrics window) at or under `seconds`."""
+
+    metric: LatencyMetric
+    percentile: float
+    seconds: float
+
+    @property
+    def source(self) -> str:
+        """The key of this target in Observation.latency and in proposals, e.g. "ttft_p95"."""
+        return f"{self.metric}_p{self.percentile:g}"
+
+
+@dataclass(frozen=True)
+class AutoscalingPolicy:
+    """spec.autoscaling, free of Kubernetes types. Only mode "builtin" is decided here (see decide())."""
+
+    mode: Mode = "builtin"
+    min_replicas: int = 1
+    max_replicas: int = 10
+    tolerance: float = 0.1
+    queue_depth_per_replica: float | None = None
+    latency_targets: tuple[LatencyTarget, ...] = ()
+    behavior: Behavior = field(default_factory=Behavior)
+    startup_grace_seconds: float | None = None  # None: twice the expected (learned) startup time
+    # With min_replicas 0: idle this long (see zero.py) → 0 replicas. Ignored while min_replicas >= 1.
+    scale_to_zero_after_seconds: float = SCALE_TO_ZERO_AFTER_S
+
+
+@dataclass(frozen=True)
+class Observation:
+    """What the operator saw this round. Starting = pods that exist but are not ready (pending ones included)."""
+
+    now: float
+    current_replicas: int  # the Deployment's spec.replicas
+    ready_replicas: int
+    starting_replicas: int
+    reporting_replicas: int  # ready pods whose /metrics scrape succeeded
+    unschedulable_replicas: int = 0  # Pending-Unschedulable past the grace period
+    queue_depth: float | None = None  # waiting + running summed over reporting pods, newest scrape
+    queue_depth_mean: float | None = None  # the same averaged over the metrics window (None: only the newest)
+    request_rate: float | None = None  # requests/s admitted over the last scrape interval, all pods (None: unknown)
+    latency: Mapping[str, float | None] = field(default_factory=dict)  # LatencyTarget.source → seconds, None: no data
+    new_startup_durations: tuple[float, ...] = ()  # creation → ready of pods that became ready since last round
+    starting_ages: tuple[float, ...] = ()  # seconds since creation of each starting pod (empty: all on the way)
+    # The routers' view: requests held for this deployment (it had no ready replica), at the routers that answered.
+    held_requests: float = 0.0
+    routers_reporting: int = 0  # router pods whose /metrics scrape succeeded
+    routers_failing: int = 0  # router pods (or namespaces of them) that could not be read: their holds are unknown
+    # Requests the reporting pods finished or refused since their previous scrape (kvfleet_requests_total's
+    # increase): with waiting + running at 0, none arrived in between. None: unknown (a pod's first scrape).
+    requests_arrived: float | None = None
+
+
+@dataclass(frozen=True)
+class AutoscalerState:
+    """Everything carried between decisions; to_dict()/from_dict() let the operator persist it across restarts."""
+
+    recommendations: tuple[Recommendation, ...] = ()
+    scale_events: tuple[ScaleEvent, ...] = ()
+    startup_durations: tuple[float, ...] = ()
+    rates: tuple[tuple[float, float], ...] = ()  # (time, the fleet's request rate) for the trend
+    idle_since: float | None = None  # the first round of the current idle stretch (zero.py); None: not idle
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready form."""
+        return {"recommendations": [[r.time, r.replicas] for r in self.recommendations],
+                "scaleEvents": [[e.time, e.change] for e in self.scale_events],
+                "startupDurations": list(self.startup_durations), "requestRates": [[t, x] for t, x in self.rates],
+                "idleSince": self.idle_since}
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> AutoscalerState:
+        """Inverse of to_dict()."""
+        return cls(tuple(Recommendation(float(t), int(n)) for t, n in d.get("recommendations", [])),
+                   tuple(ScaleEvent(float(t), int(n)) for t, n in d.get("scaleEvents", [])),
+                   tuple(float(x) for x in d.get("startupDurations", [])),
+                   tuple((float(t), float(x)) for t, x in d.get("requestRates", [])),
+                   None if d.get("idleSince") is None else float(d["idleSince"]))
+
+
+@dataclass(frozen=True)
+class Proposal:
+    """One signal's answer: the replicas its formula asks for (before tolerance and the cold-start rule)."""
+
+    source: str  # "queue" or a LatencyTarget.source
+    observed: float  # queue: total depth; latency: seconds
+    target: float  # queue: per replica; latency: seconds
+    replicas: int
+
+
+@dataclass(frozen=True)
+class Decision:
+    """The outcome of one round, with its inputs and reason, and the state to carry to the next round."""
+
+    time: float
+    current_replicas: int
+    ready_replicas: int
+    starting_replicas: int
+    desired_replicas: int
+    proposals: tuple[Proposal, ...]
+    limited_by: LimitedBy
+    reason: str
+    expected_startup_seconds: float | None
+    state: AutoscalerState
+
+    def status(self) -> dict[str, Any]:
+        """The CR status form (camelCase), without the carried state."""
+        return {"time": self.time, "currentReplicas": self.current_replicas, "readyReplicas": self.ready_replicas,
+                "startingReplicas": self.starting_replicas, "desiredReplicas": self.desired_replicas,
+                "proposals": [{"source": p.source, "observed": p.observed, "target": p.target,
+                               "replicas": p.replicas} for p in self.proposals],
+                "limitedBy": self.limited_by, "reason": self.reason,
+                "expectedStartupSeconds": self.expected_startup_seconds}
