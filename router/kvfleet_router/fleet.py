@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
 import aiohttp
@@ -57,18 +57,37 @@ def parse_gauges(text: str) -> dict[str, float]:
 
 class Fleet:
     """Models → replicas. Endpoints come from a discovery source (static flags, or the Kubernetes watch); the
-    scrape loop keeps each replica's readiness and gauges current; `on_ready` hears when a model gains one."""
+    scrape loop keeps each replica's readiness and gauges current; `on_ready` hears when a model gains its first
+    ready replica, `on_gone` when a model is no longer served."""
 
-    def __init__(self, on_ready: Callable[[str], object] = lambda model: None) -> None:
+    def __init__(self, on_ready: Callable[[str], object] = lambda model: None,
+                 on_gone: Callable[[str], object] = lambda model: None, synced: bool = True) -> None:
         self.models: dict[str, dict[str, Replica]] = {}
+        # The InferenceDeployments (namespace, name) serving each model; none for static endpoints.
+        self.deployments: dict[str, tuple[tuple[str, str], ...]] = {}
         self.rings: dict[str, Ring] = {}
-        self.on_ready = on_ready
+        self.on_ready, self.on_gone = on_ready, on_gone
+        self.synced = synced  # False until the discovery source has read everything once (the router's /ready)
 
-    def set_endpoints(self, model: str, endpoints: Mapping[str, str]) -> None:
-        """Replace a model's endpoints (name → URL), keeping the state of replicas that stay."""
+    def set_endpoints(self, model: str, endpoints: Mapping[str, str], ready: bool = False,
+                      deployments: Iterable[tuple[str, str]] = ()) -> None:
+        """Replace a model's endpoints (name → URL), keeping the state of replicas that stay. New replicas start
+        `ready` when the source vouches for them (Kubernetes' Ready condition), else unready until a scrape finds
+        them ready. A model that gains its first ready replica releases the requests held for it."""
+        had = bool(self.ready(model))
         old = self.models.get(model, {})
-        self.models[model] = {name: old[name] if name in old and old[name].url == url else Replica(name, url)
+        self.models[model] = {name: old[name] if name in old and old[name].url == url else Replica(name, url, ready)
                               for name, url in endpoints.items()}
+        self.deployments[model] = tuple(deployments)
+        if not had and self.ready(model):
+            self.on_ready(model)
+
+    def remove(self, model: str) -> None:
+        """Forget a model (no source serves it any more) and wake the requests held for it, to answer them."""
+        if self.models.pop(model, None) is not None:
+            self.deployments.pop(model, None)
+            self.rings.pop(model, None)
+            self.on_gone(model)
 
     def ready(self, model: str) -> list[Replica]:
         """The model's replicas that may take a request now."""
@@ -84,6 +103,9 @@ class Fleet:
 
     def mark(self, model: str, replica: Replica, ready: bool) -> None:
         """Set a replica's readiness; a model's first ready replica releases the requests held for it."""
+        if self.models.get(model, {}).get(replica.name) is not replica:
+            replica.ready = ready  # it left the fleet while a scrape or a request was on it: nothing to release
+            return
         had = bool(self.ready(model))
         replica.ready = ready
         if ready and not had:

@@ -2,23 +2,54 @@
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from collections.abc import Callable, Iterable, Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import GaugeMetricFamily, Metric
+
+from kvfleet_contract import metrics as contract
 
 LATENCY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
 HOLD_BUCKETS = (0.01, 0.05, 0.1, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
+HELD_LABELS = (contract.MODEL_LABEL, contract.NAMESPACE_LABEL, contract.DEPLOYMENT_LABEL)
+# (model, namespace, InferenceDeployment, requests held): "" and "" for a model served by static endpoints.
+HeldSample = tuple[str, str, str, float]
+
+
+class HeldRequests:
+    """The held-requests gauge of the contract, read at scrape time from the hold queue and the fleet (a count
+    kept by inc/dec could not follow a model whose InferenceDeployments change while requests wait)."""
+
+    def __init__(self, samples: Callable[[], Iterable[HeldSample]]) -> None:
+        self.samples = samples
+
+    def _family(self) -> GaugeMetricFamily:
+        return GaugeMetricFamily(contract.ROUTER_HELD_REQUESTS, "Requests held for a model with no ready replica, "
+                                 "under each InferenceDeployment serving it (the demand to scale up from zero).",
+                                 labels=HELD_LABELS)
+
+    def describe(self) -> Iterator[Metric]:
+        """The family without samples (registering must not read the queue)."""
+        yield self._family()
+
+    def collect(self) -> Iterator[Metric]:
+        """One sample per served (model, InferenceDeployment), held count included when 0."""
+        family = self._family()
+        for model, namespace, deployment, value in self.samples():
+            family.add_metric([model, namespace, deployment], value)
+        yield family
 
 
 class RouterMetrics:
     """One registry per router (tests run several in a process)."""
 
-    def __init__(self) -> None:
+    def __init__(self, held: Callable[[], Iterable[HeldSample]] = lambda: ()) -> None:
         r = self.registry = CollectorRegistry(auto_describe=True)
         self.requests = Counter("kvfleet_router_requests", "Requests by model, replica and outcome.",
                                 ["model", "replica", "outcome"], registry=r)
         self.decisions = Counter("kvfleet_router_routing_decisions", "Replica choices by reason.",
                                  ["model", "reason"], registry=r)
-        self.held = Gauge("kvfleet_router_held_requests", "Requests held for a model with no ready replica.",
-                          ["model"], registry=r)
+        r.register(HeldRequests(held))
         self.hold_time = Histogram("kvfleet_router_hold_seconds", "How long held requests waited.", ["model"],
                                    buckets=HOLD_BUCKETS, registry=r)
         self.retries = Counter("kvfleet_router_retries", "Requests sent again to another replica.", ["model"],

@@ -6,7 +6,7 @@ import asyncio
 import json
 import logging
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import aiohttp
@@ -15,7 +15,7 @@ from prometheus_client import generate_latest
 
 from kvfleet_router.fleet import Fleet, Replica
 from kvfleet_router.hold_queue import HoldQueue, HoldRefused
-from kvfleet_router.metrics import RouterMetrics
+from kvfleet_router.metrics import HeldSample, RouterMetrics
 from kvfleet_router.picker import pick
 from kvfleet_router.prefix import prefix_key
 
@@ -38,14 +38,14 @@ class Router:
 
     def __init__(self, fleet: Fleet, holds: HoldQueue, epsilon: float = 0.25, max_attempts: int = 3) -> None:
         self.fleet, self.holds, self.epsilon, self.max_attempts = fleet, holds, epsilon, max_attempts
-        self.metrics = RouterMetrics()
+        self.metrics = RouterMetrics(held=self._held)
         self.session: aiohttp.ClientSession | None = None
 
     def app(self) -> web.Application:
         """The aiohttp application: OpenAI routes, models, health, readiness, metrics."""
         app = web.Application(client_max_size=MAX_BODY)
         app.add_routes([*(web.post(path, self.relay) for path in ROUTES), web.get("/v1/models", self.models),
-                        web.get("/health", self.health), web.get("/ready", self.health),
+                        web.get("/health", self.health), web.get("/ready", self.ready),
                         web.get("/metrics", self.exposition)])
         app.on_startup.append(self._open)
         app.on_cleanup.append(self._close)
@@ -61,8 +61,24 @@ class Router:
             await self.session.close()
 
     async def health(self, request: web.Request) -> web.Response:
-        """GET /health and /ready: the router itself is up (replicas come and go behind it)."""
+        """GET /health: the router itself is up (replicas come and go behind it)."""
         return web.json_response({"status": "ok"})
+
+    async def ready(self, request: web.Request) -> web.Response:
+        """GET /ready: 503 until discovery has read every watched namespace once (before that, a model not yet
+        seen would be answered 404 for nothing)."""
+        if not self.fleet.synced:
+            return web.json_response({"status": "syncing", "message": "discovery has not listed everything yet"},
+                                     status=503)
+        return web.json_response({"status": "ok"})
+
+    def _held(self) -> Iterator[HeldSample]:
+        """The held-requests gauge's samples: each known model's held count under every InferenceDeployment
+        serving it (the full count under each: any of them may be the one that scales up from zero)."""
+        for model in sorted(set(self.fleet.models) | set(self.holds.models())):
+            held = float(self.holds.held(model))
+            for namespace, deployment in self.fleet.deployments.get(model) or (("", ""),):
+                yield model, namespace, deployment, held
 
     async def exposition(self, request: web.Request) -> web.Response:
         """GET /metrics."""
@@ -88,15 +104,15 @@ class Router:
             return error(404, f"model {model!r} is not served here; models: {known}", "invalid_request_error")
         if not self.fleet.ready(model):
             held = time.perf_counter()
-            self.metrics.held.labels(model).inc()
             try:
                 await self.holds.wait(model)
             except HoldRefused as e:
                 self.metrics.requests.labels(model, "", "held_refused").inc()
                 return error(503, str(e), "service_unavailable", **{"Retry-After": f"{e.retry_after_s:.0f}"})
             finally:
-                self.metrics.held.labels(model).dec()
                 self.metrics.hold_time.labels(model).observe(time.perf_counter() - held)
+            if model not in self.fleet.models:  # its InferenceDeployment was deleted while the request waited
+                return error(404, f"model {model!r} is no longer served here", "invalid_request_error")
             start = time.perf_counter()  # the wait is the fleet's, not the router's own latency
         key = prefix_key(body)
         tried: set[str] = set()
@@ -197,14 +213,16 @@ def static_endpoints(specs: Iterable[str]) -> dict[str, dict[str, str]]:
 
 
 def wire(fleet: Fleet, holds: HoldQueue, **options: Any) -> Router:
-    """A router over a fleet whose first ready replica of a model releases that model's held requests."""
+    """A router over a fleet whose first ready replica of a model releases that model's held requests (as does the
+    model's removal: they are answered 404 then)."""
     router = Router(fleet, holds, **options)
-    fleet.on_ready = holds.release
+    fleet.on_ready = fleet.on_gone = holds.release
     return router
 
 
-async def serve(router: Router, host: str, port: int, scrape_interval_s: float) -> tuple[web.AppRunner, int]:
-    """Start the router's HTTP server and its scrape loop; returns the runner and the bound port."""
+async def serve(router: Router, host: str, port: int,
+                scrape_interval_s: float) -> tuple[web.AppRunner, int, asyncio.Task[None]]:
+    """Start the router's HTTP server and its scrape loop; returns the runner, the bound port and the loop's task."""
     # handler_cancellation: a client that disconnects cancels its handler, which closes the upstream
     # request, which the agent takes as an abort that frees the KV blocks.
     runner = web.AppRunner(router.app(), handler_cancellation=True, access_log=None)
@@ -212,5 +230,4 @@ async def serve(router: Router, host: str, port: int, scrape_interval_s: float) 
     await web.TCPSite(runner, host, port).start()
     bound = runner.addresses[0][1]
     scraper = asyncio.create_task(router.fleet.scrape_forever(scrape_interval_s), name="kvfleet-router scrape")
-    runner.app["scraper"] = scraper
-    return runner, int(bound)
+    return runner, int(bound), scraper

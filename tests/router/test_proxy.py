@@ -121,7 +121,8 @@ def test_a_request_for_a_model_with_no_replica_is_held_until_one_is_ready(tiny_c
         sender = threading.Thread(target=lambda: result.append(OpenAIless.post(
             f"{router.url}/v1/completions", b'{"model": "tiny", "prompt": "held", "max_tokens": 3}')))
         sender.start()
-        wait_for(lambda: "kvfleet_router_held_requests{model=\"tiny\"} 1.0" in OpenAIless.get(f"{router.url}/metrics"))
+        wait_for(lambda: 'kvfleet_router_held_requests{inference_deployment="",model="tiny",namespace=""} 1.0'
+                 in OpenAIless.get(f"{router.url}/metrics"))
         assert not result  # held, not refused
         agent = _agent_on(tiny_checkpoint("llama"), port)
         try:
