@@ -89,7 +89,8 @@ def _serve(a: argparse.Namespace) -> int:
     from kvfleet_agent.server.lifecycle import ServeOptions, serve
 
     for name, value, low in (("--max-queue-length", a.max_queue_length, 0), ("--drain-grace-period",
-                                                                             a.drain_grace_period, 0)):
+                                                                             a.drain_grace_period, 0),
+                             ("--max-logprobs", a.max_logprobs, 0)):
         if value < low:
             raise ValueError(f"{name}={value} must be >= {low}")
     model = a.model or os.environ["KVFLEET_MODEL"]
@@ -98,7 +99,7 @@ def _serve(a: argparse.Namespace) -> int:
     limits = ConnectionLimits(a.max_connections, a.keep_alive_timeout, a.header_timeout, a.body_timeout)
     opts = ServeOptions(a.served_model_name or os.path.basename(os.path.normpath(model)), a.host, a.port,
                         None if a.grpc_port < 0 else a.grpc_port, a.max_queue_length, a.drain_grace_period,
-                        api_key=a.api_key or None, limits=limits)
+                        api_key=a.api_key or None, limits=limits, max_logprobs=a.max_logprobs)
     return asyncio.run(serve(EngineConfig.from_kwargs(model, **_engine_options(a)), opts))
 
 
@@ -190,6 +191,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                        help="require 'Authorization: Bearer KEY' on /v1 routes and gRPC Generation calls "
                             "(/health, /ready, /metrics stay open); prefer the KVFLEET_API_KEY environment "
                             "variable, which process listings do not show")
+    serve.add_argument("--max-logprobs", type=int, default=20,
+                       help="the most alternatives per token a request may ask for (logprobs, top_logprobs), as vLLM")
     conn = serve.add_argument_group("connections")
     conn.add_argument("--max-connections", type=int, default=1024,
                       help="open connections per front end (HTTP, gRPC); HTTP answers more with 503")

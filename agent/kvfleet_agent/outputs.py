@@ -36,3 +36,5 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     num_cached_tokens: int = 0
+    # With prompt_logprobs: one entry per prompt token, None for the first (nothing predicts it), as vLLM.
+    prompt_logprobs: list[Logprob | None] | None = None

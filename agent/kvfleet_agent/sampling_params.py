@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 MAX_STOP_STRINGS = 16
@@ -12,7 +13,9 @@ class SamplingParams:
     """Per-request sampling settings, in vLLM's vocabulary.
 
     temperature 0 means greedy; top_k 0 or -1 means no top-k cut; logprobs k returns the sampled
-    token's log-probability and the k most likely alternatives at each step.
+    token's log-probability and the k most likely alternatives at each step. The logits processing
+    fields (penalties, min_p, logit_bias, min_tokens) mean what they mean in vLLM; at their defaults
+    the sampler skips them entirely.
     """
 
     max_tokens: int = 16
@@ -25,16 +28,29 @@ class SamplingParams:
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
     logprobs: int | None = None
+    prompt_logprobs: int | None = None  # the prompt tokens' logprobs (and k alternatives): no prefix-cache hits
     skip_special_tokens: bool = True
+    presence_penalty: float = 0.0  # minus this for every token already generated
+    frequency_penalty: float = 0.0  # minus this times how often a token was generated
+    repetition_penalty: float = 1.0  # divides positive (multiplies negative) logits of prompt and output tokens
+    min_p: float = 0.0  # drop tokens whose probability is below min_p times the top token's
+    logit_bias: dict[int, float] = field(default_factory=dict)  # added to the logits by token id
+    min_tokens: int = 0  # EOS and stop_token_ids are masked (and no stop applies) until this many tokens
+    # Whether any logits processing above is set: only then does the sampler leave its fast path, and
+    # only then does the scheduler hand it the request's tokens. Computed once, read every step.
+    processes_logits: bool = field(init=False, repr=False, compare=False, default=False)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop)
         self.stop_token_ids = list(self.stop_token_ids)
+        self.logit_bias = dict(self.logit_bias)
         if self.top_k == -1:
             self.top_k = 0
         self._check()
+        self.processes_logits = bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
+                                     or self.logit_bias or self.min_tokens)
 
     def _check(self) -> None:
         def bad(name: str, value: object, rule: str) -> ValueError:
@@ -58,8 +74,29 @@ class SamplingParams:
         if any(isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             raise bad("stop_token_ids", self.stop_token_ids, "use non-negative token ids")
         if self.logprobs is not None and (isinstance(self.logprobs, bool) or not isinstance(self.logprobs, int)
-                                          or not 0 <= self.logprobs <= 20):
-            raise bad("logprobs", self.logprobs, "use an integer from 0 to 20")
+                                          or self.logprobs < 0):
+            raise bad("logprobs", self.logprobs, "use a non-negative integer (the server bounds it by --max-logprobs)")
+        if self.prompt_logprobs is not None and (isinstance(self.prompt_logprobs, bool) or
+                                                 not isinstance(self.prompt_logprobs, int) or self.prompt_logprobs < 0):
+            raise bad("prompt_logprobs", self.prompt_logprobs, "use a non-negative integer or leave it unset")
+        self._check_processing(bad)
+
+    def _check_processing(self, bad: Callable[[str, object, str], ValueError]) -> None:
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int | float) or not -2.0 <= value <= 2.0:
+                raise bad(name, value, "use a number from -2 to 2; 0 disables it")
+        rp = self.repetition_penalty
+        if isinstance(rp, bool) or not isinstance(rp, int | float) or not 0.0 < rp <= 100.0:
+            raise bad("repetition_penalty", rp, "use a number in (0, 100]; 1 disables it")
+        if isinstance(self.min_p, bool) or not isinstance(self.min_p, int | float) or not 0.0 <= self.min_p <= 1.0:
+            raise bad("min_p", self.min_p, "use a number from 0 (disabled) to 1")
+        if isinstance(self.min_tokens, bool) or not isinstance(self.min_tokens, int) or self.min_tokens < 0:
+            raise bad("min_tokens", self.min_tokens, "use a non-negative integer")
+        for token, bias in self.logit_bias.items():
+            if isinstance(token, bool) or not isinstance(token, int) or token < 0 or \
+                    isinstance(bias, bool) or not isinstance(bias, int | float) or not -100.0 <= bias <= 100.0:
+                raise bad("logit_bias", {token: bias}, "map non-negative token ids to biases from -100 to 100")
 
     @property
     def greedy(self) -> bool:

@@ -97,3 +97,51 @@ def test_an_aborted_request_says_so() -> None:
     out = RequestOutput("r", None, [1], [CompletionOutput(0, "cut", [5], "abort")], finished=True)
     assert choice(0, out, chat=False, decode=str)["finish_reason"] == "abort"
     assert choice(0, out, chat=True, decode=str, text="", delta=True)["finish_reason"] == "abort"
+
+
+def test_unknown_fields_are_refused_by_name_and_no_op_values_of_unimplemented_ones_accepted() -> None:
+    with pytest.raises(APIError) as info:
+        parse({"prompt": "x", "top_kk": 3}, "m", chat=False, max_model_len=100)
+    assert info.value.param == "top_kk" and "spelling" in info.value.message
+    with pytest.raises(APIError) as info:
+        parse({"prompt": "x", "stream_options": {"include_usage": True, "extra": 1}}, "m", chat=False,
+              max_model_len=100)
+    assert info.value.param == "stream_options.extra"
+    chat = [{"role": "user", "content": "x"}]
+    req, _ = parse({"messages": chat, "response_format": {"type": "text"}, "tool_choice": "none", "tools": [],
+                    "parallel_tool_calls": False, "store": False, "user": "me"}, "m", chat=True, max_model_len=100)
+    assert req.params.max_tokens == 100
+    for field, value in (("response_format", {"type": "json_object"}), ("tool_choice", "auto"),
+                         ("guided_regex", "a+"), ("use_beam_search", True), ("prompt_logprobs", 1)):
+        with pytest.raises(APIError) as info:
+            parse({"messages": chat, field: value}, "m", chat=True, max_model_len=100)
+        assert info.value.param == field and f"'{field}'" in info.value.message
+
+
+def test_sampling_fields_reach_sampling_params() -> None:
+    req, _ = parse({"prompt": "x", "presence_penalty": 0.5, "frequency_penalty": -1, "repetition_penalty": 1.3,
+                    "min_p": 0.1, "logit_bias": {"7": -100, "9": 2.5}, "min_tokens": 3, "stop_token_ids": [4]},
+                   "m", chat=False, max_model_len=100, vocab_size=10)
+    p = req.params
+    assert (p.presence_penalty, p.frequency_penalty, p.repetition_penalty, p.min_p, p.min_tokens) == \
+        (0.5, -1, 1.3, 0.1, 3)
+    assert p.logit_bias == {7: -100.0, 9: 2.5} and p.stop_token_ids == [4] and p.processes_logits
+    with pytest.raises(APIError, match="below 10"):
+        parse({"prompt": "x", "logit_bias": {"10": 1}}, "m", chat=False, max_model_len=100, vocab_size=10)
+
+
+def test_n_and_best_of_give_each_sample_its_seed() -> None:
+    req, _ = parse({"prompt": "x", "n": 2, "best_of": 3, "seed": 2**64 - 1}, "m", chat=False, max_model_len=100)
+    assert (req.n, req.best_of) == (2, 3)
+    assert [req.sample_params(i).seed for i in range(3)] == [2**64 - 1, 0, 1]  # seed + i, wrapped into range
+    assert req.params.logprobs == 0 and not req.logprobs_asked  # computed to rank the samples, not returned
+    unseeded, _ = parse({"prompt": "x", "n": 2}, "m", chat=False, max_model_len=100)
+    assert unseeded.sample_params(1).seed is None
+
+
+def test_echo_scores_the_prompt_with_max_tokens_zero() -> None:
+    req, _ = parse({"prompt": "x", "echo": True, "max_tokens": 0, "logprobs": 1}, "m", chat=False, max_model_len=100)
+    assert req.echo and req.prompt_only and req.params.max_tokens == 1 and req.params.prompt_logprobs == 1
+    with pytest.raises(APIError) as info:
+        parse({"prompt": "x", "logprobs": 6}, "m", chat=False, max_model_len=100, max_logprobs=5)
+    assert info.value.param == "logprobs" and "--max-logprobs" in info.value.message

@@ -80,9 +80,11 @@ class Request:
         """Add a generated token and decide whether it ends the request."""
         self.token_ids.append(token_id)
         params = self.sampling_params
-        if token_id in params.stop_token_ids:
+        # Before min_tokens, no token stops the output (the sampler masked EOS and the stop ids); lengths still do.
+        early = params.min_tokens and self.num_output_tokens < params.min_tokens
+        if not early and token_id in params.stop_token_ids:
             self.status, self.stop_reason = RequestStatus.FINISHED_STOPPED, token_id
-        elif not params.ignore_eos and token_id in self.eos_token_ids:
+        elif not early and not params.ignore_eos and token_id in self.eos_token_ids:
             self.status, self.stop_reason = RequestStatus.FINISHED_STOPPED, None
         elif self.num_output_tokens >= params.max_tokens or len(self.token_ids) >= self.max_model_len:
             self.status = RequestStatus.FINISHED_LENGTH

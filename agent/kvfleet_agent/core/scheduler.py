@@ -7,7 +7,7 @@ from collections.abc import Iterable
 
 from kvfleet_agent.core.kv_cache import KVCacheManager
 from kvfleet_agent.core.request import Request, RequestStatus
-from kvfleet_agent.core.scheduler_output import ScheduledChunk, SchedulerOutput
+from kvfleet_agent.core.scheduler_output import ScheduledChunk, SchedulerOutput, TokenHistory
 
 
 class Scheduler:
@@ -82,7 +82,9 @@ class Scheduler:
     def _admit(self, budget: int, chunks: list[ScheduledChunk]) -> int:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             req = self.waiting[0]
-            hits, num_cached = self.kv.find_cached_prefix(req.request_id, req.token_ids)
+            # Prompt logprobs need logits at every prompt position: a cached prefix would skip them.
+            hits, num_cached = self.kv.find_cached_prefix(req.request_id, req.token_ids) \
+                if req.sampling_params.prompt_logprobs is None else ([], 0)
             n = min(req.num_tokens - num_cached, budget)
             if n < req.num_tokens - num_cached and not self.enable_chunked_prefill:
                 break
@@ -125,9 +127,13 @@ class Scheduler:
         start = req.num_computed_tokens
         if start + n < req.num_tokens:
             self.num_partial_prefills += 1
+        sample = start + n == req.num_tokens
+        history = TokenHistory(req.token_ids, req.num_prompt_tokens, req.eos_token_ids) \
+            if sample and req.sampling_params.processes_logits else None
+        prompt_ids = req.prompt_token_ids if req.sampling_params.prompt_logprobs is not None and \
+            start < req.num_prompt_tokens - 1 else None
         return ScheduledChunk(req.request_id, req.token_ids[start:start + n], start,
-                              self.kv.block_table(req.request_id), start + n == req.num_tokens,
-                              req.sampling_params)
+                              self.kv.block_table(req.request_id), sample, req.sampling_params, history, prompt_ids)
 
     def update(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
         """Apply a step's results: advance computed tokens, append sampled ones, retire finished requests.

@@ -8,6 +8,19 @@ from kvfleet_agent.sampling_params import SamplingParams
 
 
 @dataclass(slots=True)
+class TokenHistory:
+    """What the sampler's logits processing reads of a request: its tokens so far and where output starts.
+
+    `token_ids` is the request's own list (prompt + output), not a copy: the sampler reads it during
+    the step, before the scheduler's update appends the new token.
+    """
+
+    token_ids: list[int]
+    num_prompt_tokens: int
+    eos_token_ids: frozenset[int]
+
+
+@dataclass(slots=True)
 class ScheduledChunk:
     """One request's share of a step: compute KV for token_ids at positions start_pos onwards."""
 
@@ -17,6 +30,10 @@ class ScheduledChunk:
     block_table: list[int]
     sample: bool  # the chunk reaches the last known token, so the step yields a new token
     sampling_params: SamplingParams
+    history: TokenHistory | None = None  # only when it samples with penalties or min_tokens
+    # With prompt_logprobs: the prompt's tokens, whose logprobs the positions of this chunk before
+    # len(prompt_ids) - 1 yield (position q predicts token q + 1). None otherwise.
+    prompt_ids: list[int] | None = None
 
 
 @dataclass(slots=True)

@@ -73,6 +73,16 @@ class AsyncLLM:
         return self.engine.max_model_len
 
     @property
+    def vocab_size(self) -> int:
+        """Token ids a request may name: [0, vocab_size)."""
+        return self.engine.model_config.vocab_size
+
+    @property
+    def model_path(self) -> str:
+        """The checkpoint directory the model was loaded from."""
+        return self.engine.config.model
+
+    @property
     def is_alive(self) -> bool:
         """Whether the engine thread is running and has not failed, and no tensor-parallel worker has died."""
         return (self._thread.is_alive() and self.error is None and not self._stopped

@@ -63,6 +63,8 @@ class IncrementalDetokenizer:
         self._tail = ""
         self._finished = False
         self.stopped: str | None = None  # the stop string that ended the output, if any
+        # False while min_tokens is not reached: text is searched for stop strings only from then on (as vLLM).
+        self.stops_active = True
 
     @property
     def text(self) -> str:
@@ -129,6 +131,10 @@ class IncrementalDetokenizer:
             return
         # Any new match must end inside `piece`, so only the tail that can reach into it is searched.
         window = self._tail + piece
+        if not self.stops_active:
+            self._pending += piece
+            self._tail = window[max(0, len(window) - (self._max_stop_len - 1)) :]
+            return
         best: tuple[int, int, str] | None = None  # (end, start, stop) of the earliest-ending match
         for s in self._stop:
             start = window.find(s)

@@ -30,6 +30,7 @@ class _Tracked:
     request: Request
     detokenizer: IncrementalDetokenizer | None
     logprobs: list[Logprob] | None
+    prompt_logprobs: list[Logprob | None] | None = None  # by prompt position; recomputation rewrites the same slots
     # Text safe to show so far: no partial character, no possible stop-string prefix. Every value
     # it takes is a prefix of the final text, so streams can send differences.
     text: str = ""
@@ -146,7 +147,9 @@ class LLMEngine:
         if self.tokenizer is not None:
             detok = IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids, params.stop,
                                            params.include_stop_str_in_output, params.skip_special_tokens)
-        self._tracked[req.request_id] = _Tracked(req, detok, [] if params.logprobs is not None else None)
+        self._tracked[req.request_id] = _Tracked(
+            req, detok, [] if params.logprobs is not None else None,
+            [None] * req.num_prompt_tokens if params.prompt_logprobs is not None else None)
         self.scheduler.add(req)
         self.counters.prompt_tokens += req.num_prompt_tokens
 
@@ -194,7 +197,11 @@ class LLMEngine:
             req = self.scheduler.requests[chunk.request_id]
             if req.first_scheduled_time is None:
                 req.first_scheduled_time = now
-        tokens, logprobs = self.executor.execute(plan)
+        tokens, logprobs, prompt_logprobs = self.executor.execute(plan)
+        for rid, (first, lps) in prompt_logprobs.items():
+            slots = self._tracked[rid].prompt_logprobs
+            assert slots is not None
+            slots[first:first + len(lps)] = lps
         advanced = self.scheduler.update(plan, tokens)
         now = time.monotonic()
         self.counters.last_step_time = time.time()
@@ -224,6 +231,8 @@ class LLMEngine:
     def _detokenize(self, t: _Tracked) -> None:
         req, detok = t.request, t.detokenizer
         assert detok is not None
+        if req.sampling_params.min_tokens:
+            detok.stops_active = req.num_output_tokens >= req.sampling_params.min_tokens
         t.text += detok.add_tokens([req.token_ids[-1]])
         if detok.stopped is not None:  # a stop string wins, even in the step that hit max_tokens
             req.stop_reason = detok.stopped
@@ -243,5 +252,5 @@ class LLMEngine:
         completion = CompletionOutput(0, text, req.output_token_ids, finish, req.stop_reason,
                                       list(t.logprobs) if t.logprobs is not None else None)
         return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, [completion], req.is_finished,
-                             req.num_cached_tokens)
+                             req.num_cached_tokens, t.prompt_logprobs)
 

@@ -25,6 +25,7 @@ from kvfleet_agent.sampling_params import SamplingParams
 from kvfleet_agent.server import kvfleet_pb2 as pb
 from kvfleet_agent.server import kvfleet_pb2_grpc as pb_grpc
 from kvfleet_agent.server.admission import Admission, Refusal
+from kvfleet_agent.server.api.common import DEFAULT_MAX_LOGPROBS
 from kvfleet_agent.server.auth import APIKey
 from kvfleet_agent.server.connections import ConnectionLimits
 from kvfleet_agent.server.prompts import PromptEncoder
@@ -95,6 +96,8 @@ def _prompt(request: pb.GenerateRequest, max_model_len: int) -> str | list[int]:
 def _sampling_params(request: pb.GenerateRequest) -> SamplingParams:
     options: dict[str, Any] = {name: getattr(request, name) for name in _OPTIONAL_SAMPLING
                                if request.HasField(name)}
+    if options.get("logprobs", 0) > DEFAULT_MAX_LOGPROBS:  # as HTTP's default --max-logprobs
+        raise _invalid(f"logprobs={options['logprobs']} is invalid: ask for at most {DEFAULT_MAX_LOGPROBS}")
     try:
         return SamplingParams(top_k=request.top_k, stop=list(request.stop),
                               stop_token_ids=list(request.stop_token_ids), ignore_eos=request.ignore_eos,

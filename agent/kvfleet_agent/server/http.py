@@ -13,19 +13,23 @@ from aiohttp.typedefs import Middleware
 from kvfleet_agent.engine.async_llm import AsyncLLM, EngineDeadError
 from kvfleet_agent.engine.request_stream import RequestStream
 from kvfleet_agent.outputs import RequestOutput
+from kvfleet_agent.sampling_params import SamplingParams
 from kvfleet_agent.server import protocol, sse
 from kvfleet_agent.server.admission import Admission, Refusal
+from kvfleet_agent.server.api.common import DEFAULT_MAX_LOGPROBS
+from kvfleet_agent.server.api.render import Decode, echoed, prompt_only
 from kvfleet_agent.server.auth import APIKey
 from kvfleet_agent.server.connections import ConnectionGate
+from kvfleet_agent.server.fanout import OutputStream, best, start_samples
 from kvfleet_agent.server.json_body import read_json
 from kvfleet_agent.server.metrics import AgentMetrics
 from kvfleet_agent.server.openapi import openapi_document
 from kvfleet_agent.server.prompts import PromptEncoder
 from kvfleet_agent.server.protocol import APIError
+from kvfleet_agent.server.small_routes import SmallRoutes
 
 log = logging.getLogger(__name__)
 
-Stream = RequestStream
 MAX_BODY_BYTES = 16 << 20
 
 
@@ -60,12 +64,14 @@ class HTTPFrontend:
     def __init__(self, llm: AsyncLLM, admission: Admission, metrics: AgentMetrics, model: str,
                  stall_timeout_s: float = 120.0, *, prompts: PromptEncoder | None = None,
                  api_key: APIKey | None = None, gate: ConnectionGate | None = None,
-                 body_timeout_s: float = 60.0, max_body_bytes: int = MAX_BODY_BYTES) -> None:
+                 body_timeout_s: float = 60.0, max_body_bytes: int = MAX_BODY_BYTES,
+                 max_logprobs: int = DEFAULT_MAX_LOGPROBS) -> None:
         self.llm, self.admission, self.metrics, self.model = llm, admission, metrics, model
         self.stall_timeout_s = stall_timeout_s
         self.prompts = prompts or PromptEncoder(llm)
         self.api_key, self.gate = api_key, gate
         self.body_timeout_s, self.max_body_bytes = body_timeout_s, max_body_bytes
+        self.max_logprobs = max_logprobs
         self.in_flight = 0
         self.idle = asyncio.Event()
         self.idle.set()
@@ -82,6 +88,8 @@ class HTTPFrontend:
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/chat/completions", self.chat_completions)
         app.router.add_get("/v1/models", self.models)
+        SmallRoutes(self.model, self._model_card, self.prompts, self.llm.vocab_size, self.body_timeout_s).add_to(app)
+        app.router.add_route("*", "/ping", self.ping)
         app.router.add_get("/health", self.health)
         app.router.add_get("/ready", self.ready)
         app.router.add_get("/metrics", self.metrics_handler)
@@ -120,30 +128,38 @@ class HTTPFrontend:
     async def _generate(self, request: web.Request, chat: bool) -> web.StreamResponse:
         body = await read_json(request, self.body_timeout_s)
         # A request with more prompts than the queue holds could never be admitted: 400, not 429.
-        req, messages = protocol.parse(body, self.model, chat, self.llm.max_model_len,
-                                       max_prompts=max(1, self.admission.max_queue_length))
+        queue = max(1, self.admission.max_queue_length)
+        req, messages = protocol.parse(body, self.model, chat, self.llm.max_model_len, max_prompts=queue,
+                                       max_logprobs=self.max_logprobs, vocab_size=self.llm.vocab_size)
+        samples = (len(req.prompts) or 1) * req.best_of  # chat: one prompt, rendered below
+        if samples > queue:
+            raise APIError(f"this request makes {samples} samples (prompts x best_of/n); this server takes at most "
+                           f"{queue} at once (its queue length): ask for fewer",
+                           "best_of" if req.best_of > req.n else "n")
         # Admission is asked before tokenizing, so that an overloaded or draining replica spends no
         # work on requests it will refuse, and again after, with no wait before generate(): exact.
-        self._admit(len(req.prompts) or 1)  # chat: one prompt, rendered below
+        self._admit(samples)
         if chat:
             req.prompts = [await self.prompts.render_chat(messages or [])]
         prompt_ids = await self.prompts.encode(req.prompts, req.prompt_field)
         if req.max_tokens_field is not None:
             for ids in prompt_ids:
                 self.prompts.check_fits(len(ids), req.params.max_tokens, req.prompt_field, req.max_tokens_field)
-        self._admit(len(prompt_ids))
+        self._admit(len(prompt_ids) * req.best_of)
         rid = protocol.new_id(chat)
-        streams: list[RequestStream] = []
+        started: list[OutputStream] = []
         self.in_flight += 1
         self.idle.clear()
         try:
-            for i, ids in enumerate(prompt_ids):  # a bad prompt raises here; those already queued are closed below
-                streams.append(self._start(ids, req, f"{rid}-{i}"))
+            # A bad prompt raises here; those already queued are closed below.
+            streams = await start_samples(prompt_ids, req, rid, lambda ids, params, sid: self._start(
+                ids, params, req.prompt_field, sid), started)
             if req.stream:
-                return await sse.stream(request, rid, streams, req, self.model, self._decoder())
+                echo = (lambda i, out: self.prompt_text(req, i // req.n, out)) if req.echo else None
+                return await sse.stream(request, rid, streams, req, self.model, self._decoder(), echo)
             return await self._whole(rid, streams, req)
         finally:
-            for s in streams:  # on a disconnect or error, closing a stream aborts its request
+            for s in started:  # on a disconnect or error, closing a stream aborts its request
                 await s.aclose()
             self.in_flight -= 1
             if self.in_flight == 0:
@@ -158,13 +174,13 @@ class HTTPFrontend:
             raise APIError("this replica is not taking requests (draining or failed); retry elsewhere",
                            status=503, type_="service_unavailable", code=refusal.value)
 
-    def _start(self, ids: list[int], req: protocol.GenerateRequest, request_id: str) -> RequestStream:
+    def _start(self, ids: list[int], params: SamplingParams, prompt_field: str, request_id: str) -> RequestStream:
         try:
-            return self.llm.generate(ids, req.params, request_id)
+            return self.llm.generate(ids, params, request_id)
         except ValueError as e:  # the engine's own checks (token ids outside the vocabulary)
-            raise APIError(str(e), req.prompt_field) from None
+            raise APIError(str(e), prompt_field) from None
 
-    async def _whole(self, rid: str, streams: list[Stream], req: protocol.GenerateRequest) -> web.Response:
+    async def _whole(self, rid: str, streams: list[OutputStream], req: protocol.GenerateRequest) -> web.Response:
         # Wait for every prompt even if one fails, so no task is left behind; then report the first error.
         results = await asyncio.gather(*(_last(s) for s in streams), return_exceptions=True)
         for r in results:
@@ -172,9 +188,23 @@ class HTTPFrontend:
                 raise r
         finals = [r for r in results if isinstance(r, RequestOutput)]
         decode = self._decoder()
-        choices = [protocol.choice(i, out, req.chat, decode) for i, out in enumerate(finals)]
-        return web.json_response(protocol.envelope(rid, self.model, req.chat, choices, False,
-                                                   protocol.usage(list(finals))))
+        if req.prompt_only:
+            finals = [prompt_only(out) for out in finals]
+        # Usage counts every sample drawn (best_of ones too: they were generated), each prompt once.
+        used = protocol.usage(finals, req.best_of)
+        choices = [self._choice(i, out, req, decode) for i, out in enumerate(best(finals, req))]
+        return web.json_response(protocol.envelope(rid, self.model, req.chat, choices, False, used))
+
+    def _choice(self, i: int, out: RequestOutput, req: protocol.GenerateRequest, decode: Decode) -> dict[str, Any]:
+        piece = protocol.choice(i, out, req.chat, decode, with_logprobs=req.logprobs_asked)
+        return echoed(out, self.prompt_text(req, i // req.n, out), piece, decode) if req.echo else piece
+
+    def prompt_text(self, req: protocol.GenerateRequest, p: int, out: RequestOutput) -> str:
+        """What echo puts in front: the prompt as sent, or its token ids decoded (special tokens kept)."""
+        prompt, tok = req.prompts[p], self.llm.tokenizer
+        if isinstance(prompt, str):
+            return prompt
+        return tok.decode(out.prompt_token_ids, skip_special_tokens=False) if tok is not None else ""
 
     def _decoder(self) -> Any:
         tok = self.llm.tokenizer
@@ -184,9 +214,11 @@ class HTTPFrontend:
 
     async def models(self, request: web.Request) -> web.Response:
         """GET /v1/models: the one served model."""
-        return web.json_response({"object": "list", "data": [{
-            "id": self.model, "object": "model", "created": self.created, "owned_by": "kvfleet",
-            "max_model_len": self.llm.max_model_len}]})
+        return web.json_response({"object": "list", "data": [self._model_card()]})
+
+    def _model_card(self) -> dict[str, Any]:
+        return {"id": self.model, "object": "model", "created": self.created, "owned_by": "kvfleet",
+                "root": self.llm.model_path, "parent": None, "max_model_len": self.llm.max_model_len}
 
     async def health(self, request: web.Request) -> web.Response:
         """GET /health (liveness): the engine thread is alive and, when it has work, stepping."""
@@ -197,6 +229,12 @@ class HTTPFrontend:
                 f"no engine step for over {self.stall_timeout_s:.0f} s with requests pending"
             return web.json_response({"status": "unhealthy", "reason": why}, status=503)
         return web.json_response({"status": "ok"})
+
+    async def ping(self, request: web.Request) -> web.Response:
+        """GET or POST /ping: vLLM's (SageMaker's) liveness probe, answered as /health."""
+        if request.method not in ("GET", "POST"):
+            raise web.HTTPMethodNotAllowed(request.method, ["GET", "POST"])
+        return await self.health(request)
 
     async def ready(self, request: web.Request) -> web.Response:
         """GET /ready (readiness): loaded, warmed up, alive and not draining."""
@@ -211,10 +249,11 @@ class HTTPFrontend:
 
     async def openapi(self, request: web.Request) -> web.Response:
         """GET /openapi.json."""
-        return web.json_response(openapi_document(self.model, secured=self.api_key is not None))
+        return web.json_response(openapi_document(self.model, secured=self.api_key is not None,
+                                                  max_logprobs=self.max_logprobs))
 
 
-async def _last(stream: Stream) -> RequestOutput:
+async def _last(stream: OutputStream) -> RequestOutput:
     last = None
     async for out in stream:
         last = out

@@ -17,6 +17,7 @@ from kvfleet_agent.config import EngineConfig
 from kvfleet_agent.engine.async_llm import AsyncLLM
 from kvfleet_agent.server import log_limit
 from kvfleet_agent.server.admission import Admission
+from kvfleet_agent.server.api.common import DEFAULT_MAX_LOGPROBS
 from kvfleet_agent.server.auth import APIKey
 from kvfleet_agent.server.connections import MAX_LINGERING, ConnectionGate, ConnectionLimits
 from kvfleet_agent.server.http import HTTPFrontend
@@ -38,6 +39,7 @@ class ServeOptions:
     drain_grace_period_s: float = 30.0
     api_key: str | None = None  # required as `Authorization: Bearer <key>` on /v1 and gRPC Generation
     limits: ConnectionLimits = field(default_factory=ConnectionLimits)
+    max_logprobs: int = DEFAULT_MAX_LOGPROBS  # alternatives a request may ask for per token (vLLM's flag)
 
 
 _FD_RESERVE = 128  # descriptors kept for everything but client connections: files, pipes, gRPC, logs
@@ -78,7 +80,7 @@ async def serve(engine_config: EngineConfig, opts: ServeOptions) -> int:
     # The listener is ours rather than a TCPSite: this gate between it and aiohttp caps connections.
     gate = ConnectionGate(limits.max_connections, limits.header_timeout_s)
     http = HTTPFrontend(llm, admission, metrics, opts.served_model_name, prompts=prompts, api_key=api_key,
-                        gate=gate, body_timeout_s=limits.body_timeout_s)
+                        gate=gate, body_timeout_s=limits.body_timeout_s, max_logprobs=opts.max_logprobs)
     # handler_cancellation: a client that hangs up cancels its handler, which aborts its request.
     # keepalive_timeout closes idle connections, and (aiohttp does not restart it on partial data)
     # those that never finish a request head; auto_decompress off: compressed bodies are refused.

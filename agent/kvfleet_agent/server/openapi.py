@@ -1,14 +1,14 @@
-"""The OpenAPI 3.1 description of the agent's HTTP API, served at /openapi.json: requests, responses and errors."""
+"""The OpenAPI 3.1 description of the agent's HTTP API, served at /openapi.json, generated from the pydantic models."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
-from kvfleet_agent.sampling_params import MAX_STOP_STRINGS
-from kvfleet_agent.server.protocol import MAX_STOP_TOKEN_IDS
+from pydantic import BaseModel
+from pydantic.json_schema import models_json_schema
 
-_ERROR = {"description": "OpenAI-style error naming the problem (and the field, in `param`)",
-          "content": {"application/json": {"schema": {"$ref": "#/components/schemas/Error"}}}}
+from kvfleet_agent.server.api import requests, responses
+
 _POST_ERRORS = {
     "400": "invalid request: the message says what is wrong and how to fix it",
     "401": "missing or incorrect API key (when the server has one)",
@@ -19,40 +19,26 @@ _POST_ERRORS = {
     "429": "the queue is full: retry after the Retry-After delay",
     "503": "draining or failed: retry on another replica",
 }
-
-
-def _or_null(schema: dict[str, Any]) -> dict[str, Any]:
-    """An optional field: null means "use the default", as in OpenAI's API."""
-    return {"anyOf": [schema, {"type": "null"}]}
-
-
-_SAMPLING_FIELDS: dict[str, dict[str, Any]] = {
-    "max_tokens": {"type": "integer", "minimum": 1, "default": 16,
-                   "description": "with the prompt, at most max_model_len tokens"},
-    "temperature": {"type": "number", "minimum": 0, "maximum": 100, "default": 1},
-    "top_p": {"type": "number", "exclusiveMinimum": 0, "maximum": 1, "default": 1},
-    "top_k": {"type": "integer", "minimum": -1, "default": 0, "description": "0 or -1 disables"},
-    "seed": {"type": "integer", "minimum": -(2**63), "maximum": 2**64 - 1},
-    "stop": {"oneOf": [{"type": "string", "minLength": 1},
-                       {"type": "array", "items": {"type": "string", "minLength": 1}, "maxItems": MAX_STOP_STRINGS}]},
-    "stop_token_ids": {"type": "array", "items": {"type": "integer", "minimum": 0}, "maxItems": MAX_STOP_TOKEN_IDS},
-    "ignore_eos": {"type": "boolean", "default": False},
-    "include_stop_str_in_output": {"type": "boolean", "default": False},
-    "skip_special_tokens": {"type": "boolean", "default": True},
-    "stream": {"type": "boolean", "default": False},
-    "stream_options": {"type": "object", "properties": {"include_usage": _or_null({"type": "boolean"})}},
-    "n": {"const": 1},
-}
-_SAMPLING = {name: _or_null(schema) for name, schema in _SAMPLING_FIELDS.items()}
-_NULLABLE_STRING = {"type": ["string", "null"]}
-_USAGE = {"type": "object", "required": ["prompt_tokens", "completion_tokens", "total_tokens"], "properties": {
-    k: {"type": "integer", "minimum": 0} for k in ("prompt_tokens", "completion_tokens", "total_tokens")}}
-_FINISH = {"enum": ["stop", "length", "abort", None]}
+_REF = "#/components/schemas/{model}"
+# Request models are validated as sent (validation mode); responses as the server writes them.
+_MODELS: list[tuple[type[BaseModel], Literal["validation", "serialization"]]] = [
+    (requests.CompletionRequest, "validation"), (requests.ChatCompletionRequest, "validation"),
+    (responses.CompletionResponse, "serialization"), (responses.ChatCompletionResponse, "serialization"),
+    (responses.ChatCompletionChunk, "serialization"), (responses.ModelList, "serialization"),
+    (responses.ModelCard, "serialization"), (responses.ErrorResponse, "serialization"),
+    (requests.TokenizeRequest, "validation"), (requests.DetokenizeRequest, "validation"),
+    (responses.TokenizeResponse, "serialization"), (responses.DetokenizeResponse, "serialization"),
+    (responses.VersionResponse, "serialization"), (responses.TokenizerInfoResponse, "serialization"),
+]
 
 
 def _json(schema: str, description: str) -> dict[str, Any]:
-    return {"description": description, "content": {"application/json": {
-        "schema": {"$ref": f"#/components/schemas/{schema}"}}}}
+    ref = {"$ref": _REF.format(model=schema)}
+    return {"description": description, "content": {"application/json": {"schema": ref}}}
+
+
+def _error(description: str) -> dict[str, Any]:
+    return _json("ErrorResponse", description)
 
 
 def _post(summary: str, request: str, response: str, secured: bool) -> dict[str, Any]:
@@ -62,19 +48,21 @@ def _post(summary: str, request: str, response: str, secured: bool) -> dict[str,
         "data": {"type": "string", "minLength": 1, "contentMediaType": "application/json"},
         "event": {"type": "string"}, "id": {"type": "string"}}}}
     op: dict[str, Any] = {"summary": summary, "requestBody": {"required": True, "content": {"application/json": {
-        "schema": {"$ref": f"#/components/schemas/{request}"}}}},
-        "responses": {"200": ok, **{code: {**_ERROR, "description": why} for code, why in _POST_ERRORS.items()}}}
+        "schema": {"$ref": _REF.format(model=request)}}}},
+        "responses": {"200": ok, **{code: _error(why) for code, why in _POST_ERRORS.items()}}}
     return {"post": _secure(op, secured)}
 
 
-def _get(summary: str, ok: dict[str, Any], fail: dict[str, Any] | None = None, secured: bool = False
-         ) -> dict[str, Any]:
-    responses: dict[str, Any] = {"200": ok}
+def _get(summary: str, ok: dict[str, Any], fail: dict[str, Any] | None = None, secured: bool = False,
+         not_found: str | None = None) -> dict[str, Any]:
+    responses_: dict[str, Any] = {"200": ok}
     if fail is not None:
-        responses["503"] = fail
+        responses_["503"] = fail
+    if not_found is not None:
+        responses_["404"] = _error(not_found)
     if secured:
-        responses["401"] = {**_ERROR, "description": _POST_ERRORS["401"]}
-    return {"get": _secure({"summary": summary, "responses": responses}, secured)}
+        responses_["401"] = _error(_POST_ERRORS["401"])
+    return {"get": _secure({"summary": summary, "responses": responses_}, secured)}
 
 
 def _secure(op: dict[str, Any], secured: bool) -> dict[str, Any]:
@@ -88,22 +76,63 @@ def _status(*values: str) -> dict[str, Any]:
                                                                      "reason": {"type": "string"}}}
 
 
-def openapi_document(model: str, secured: bool = False) -> dict[str, Any]:
+_HEALTH_OK = {"description": "alive", "content": {"application/json": {"schema": _status("ok")}}}
+_HEALTH_FAIL = {"description": "failed or stalled", "content": {"application/json": {"schema": _status("unhealthy")}}}
+
+
+def _simple_post(summary: str, request: str, response: str) -> dict[str, Any]:
+    """A JSON-in, JSON-out POST outside /v1 (so without the API key, as in vLLM)."""
+    return {"post": {"summary": summary, "requestBody": {"required": True, "content": {"application/json": {
+        "schema": {"$ref": _REF.format(model=request)}}}}, "responses": {
+        "200": _json(response, "The result"), "400": _error(_POST_ERRORS["400"]), "404": _error("unknown model"),
+        "413": _error(_POST_ERRORS["413"]), "415": _error(_POST_ERRORS["415"])}}}
+
+
+def schemas(model: str, max_logprobs: int = 20) -> dict[str, Any]:
+    """Every component schema, from the models; the served model's name and the logprobs limit filled in."""
+    _, top = models_json_schema(_MODELS, ref_template=_REF)
+    out: dict[str, Any] = top["$defs"]
+    named = {"anyOf": [{"const": model}, {"type": "null"}]}
+    for request in ("CompletionRequest", "ChatCompletionRequest"):
+        out[request]["properties"]["model"] = {**out[request]["properties"]["model"], **named}
+        # top_logprobs (not null) needs logprobs: true, as in OpenAI's API.
+    out["CompletionRequest"]["properties"]["logprobs"]["anyOf"][0]["maximum"] = max_logprobs
+    chat = out["ChatCompletionRequest"]
+    chat["properties"]["top_logprobs"]["anyOf"][0]["maximum"] = max_logprobs
+    chat["if"] = {"required": ["top_logprobs"], "properties": {"top_logprobs": {"type": "integer"}}}
+    chat["then"] = {"required": ["logprobs"], "properties": {"logprobs": {"const": True}}}
+    for response in ("CompletionResponse", "ChatCompletionResponse", "ChatCompletionChunk", "ModelCard"):
+        key = "id" if response == "ModelCard" else "model"
+        out[response]["properties"][key] = {**out[response]["properties"][key], "const": model}
+    return out
+
+
+def openapi_document(model: str, secured: bool = False, max_logprobs: int = 20) -> dict[str, Any]:
     """The API description, naming the served model; `secured` when /v1 routes need the API key."""
     doc: dict[str, Any] = {
         "openapi": "3.1.0",
         "info": {"title": "kvfleet agent", "version": "v1",
                  "description": f"OpenAI-compatible inference for the model '{model}'."},
         "paths": {
-            "/v1/completions": _post("Complete a prompt (text or token ids, or a list of them)", "Completion",
+            "/v1/completions": _post("Complete a prompt (text or token ids, or a list of them)", "CompletionRequest",
                                      "CompletionResponse", secured),
             "/v1/chat/completions": _post("Answer a conversation, rendered with the model's chat template",
-                                          "ChatCompletion", "ChatCompletionResponse", secured),
+                                          "ChatCompletionRequest", "ChatCompletionResponse", secured),
             "/v1/models": _get("The served model", _json("ModelList", "A list with one model"), secured=secured),
-            "/health": _get("Liveness: the engine loop is alive and making progress",
-                            {"description": "alive", "content": {"application/json": {"schema": _status("ok")}}},
-                            {"description": "failed or stalled", "content": {"application/json": {
-                                "schema": _status("unhealthy")}}}),
+            "/v1/models/{model_id}": {"get": {**_get("One model, by id", _json("ModelCard", "The model"),
+                                                     secured=secured, not_found="no such model")["get"],
+                                              "parameters": [
+                {"name": "model_id", "in": "path", "required": True, "schema": {"type": "string"}}]}},
+            "/tokenize": _simple_post("A prompt's or a conversation's token ids (vLLM)", "TokenizeRequest",
+                                      "TokenizeResponse"),
+            "/detokenize": _simple_post("Token ids to text (vLLM)", "DetokenizeRequest", "DetokenizeResponse"),
+            "/tokenizer_info": _get("The tokenizer's special tokens and chat template (vLLM)",
+                                    _json("TokenizerInfoResponse", "The tokenizer"),
+                                    not_found="the model has no tokenizer"),
+            "/version": _get("The agent's version", _json("VersionResponse", "The version")),
+            "/ping": {**_get("Liveness, as /health (vLLM, SageMaker)", _HEALTH_OK, _HEALTH_FAIL),
+                      "post": _get("Liveness, as /health", _HEALTH_OK, _HEALTH_FAIL)["get"]},
+            "/health": _get("Liveness: the engine loop is alive and making progress", _HEALTH_OK, _HEALTH_FAIL),
             "/ready": _get("Readiness: loaded, warmed up and not draining",
                            {"description": "ready", "content": {"application/json": {"schema": _status("ready")}}},
                            {"description": "draining or failed", "content": {"application/json": {
@@ -113,60 +142,8 @@ def openapi_document(model: str, secured: bool = False) -> dict[str, Any]:
             "/openapi.json": _get("This document", {"description": "OpenAPI 3.1", "content": {
                 "application/json": {"schema": {"type": "object"}}}}),
         },
-        "components": {"schemas": _schemas(model)},
+        "components": {"schemas": schemas(model, max_logprobs)},
     }
     if secured:
         doc["components"]["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"}}
     return doc
-
-
-def _schemas(model: str) -> dict[str, Any]:
-    token_ids = {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1}
-    text = {"type": "string", "minLength": 1}
-    logprobs = {"type": ["object", "null"]}
-    return {
-        "Completion": {"type": "object", "required": ["prompt"], "properties": {
-            "model": _or_null({"const": model}),
-            "prompt": {"oneOf": [text, token_ids, {"type": "array", "items": text, "minItems": 1},
-                                 {"type": "array", "items": token_ids, "minItems": 1}]},
-            "logprobs": _or_null({"type": "integer", "minimum": 0, "maximum": 20}), **_SAMPLING}},
-        "ChatCompletion": {"type": "object", "required": ["messages"], "properties": {
-            "model": _or_null({"const": model}),
-            "messages": {"type": "array", "minItems": 1, "items": {"type": "object", "required": [
-                "role", "content"], "properties": {"role": {"type": "string"}, "content": {"oneOf": [
-                    {"type": "string"}, {"type": "array", "items": {
-                        "type": "object", "required": ["type", "text"], "properties": {
-                            "type": {"const": "text"}, "text": {"type": "string"}}}}]}}}},
-            "max_completion_tokens": _or_null({"type": "integer", "minimum": 1}),
-            "logprobs": _or_null({"type": "boolean"}),
-            "top_logprobs": _or_null({"type": "integer", "minimum": 0, "maximum": 20,
-                                      "description": "needs logprobs: true"}),
-            **_SAMPLING},
-            # top_logprobs (not null) needs logprobs: true, as in OpenAI's API.
-            "if": {"required": ["top_logprobs"], "properties": {"top_logprobs": {"type": "integer"}}},
-            "then": {"required": ["logprobs"], "properties": {"logprobs": {"const": True}}}},
-        "CompletionResponse": {"type": "object", "required": ["id", "object", "created", "model", "choices"],
-                               "properties": {
-            "id": {"type": "string"}, "object": {"const": "text_completion"}, "created": {"type": "integer"},
-            "model": {"const": model}, "usage": _USAGE, "choices": {"type": "array", "items": {
-                "type": "object", "required": ["index", "text", "finish_reason"], "properties": {
-                    "index": {"type": "integer", "minimum": 0}, "text": {"type": "string"}, "logprobs": logprobs,
-                    "finish_reason": _FINISH}}}}},
-        "ChatCompletionResponse": {"type": "object", "required": ["id", "object", "created", "model", "choices"],
-                                   "properties": {
-            "id": {"type": "string"}, "object": {"const": "chat.completion"}, "created": {"type": "integer"},
-            "model": {"const": model}, "usage": _USAGE, "choices": {"type": "array", "items": {
-                "type": "object", "required": ["index", "message", "finish_reason"], "properties": {
-                    "index": {"type": "integer", "minimum": 0}, "logprobs": logprobs, "finish_reason": _FINISH,
-                    "message": {"type": "object", "required": ["role", "content"], "properties": {
-                        "role": {"const": "assistant"}, "content": {"type": "string"}}}}}}}},
-        "ModelList": {"type": "object", "required": ["object", "data"], "properties": {
-            "object": {"const": "list"}, "data": {"type": "array", "items": {
-                "type": "object", "required": ["id", "object", "created", "owned_by"], "properties": {
-                    "id": {"const": model}, "object": {"const": "model"}, "created": {"type": "integer"},
-                    "owned_by": {"type": "string"}, "max_model_len": {"type": "integer", "minimum": 1}}}}}},
-        "Error": {"type": "object", "required": ["error"], "properties": {"error": {
-            "type": "object", "required": ["message", "type", "param", "code"], "properties": {
-                "message": {"type": "string", "minLength": 1}, "type": {"type": "string"},
-                "param": _NULLABLE_STRING, "code": _NULLABLE_STRING}}}},
-    }

@@ -42,7 +42,7 @@ class PromptEncoder:
                            f"context (max_model_len={self.max_model_len} tokens of at most {self.chars_per_token} "
                            "characters each): shorten it", name)
 
-    async def render_chat(self, messages: list[dict[str, str]]) -> str:
+    async def render_chat(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
         """The conversation as prompt text, through the model's chat template, off the event loop."""
         tokenizer = self.tokenizer
         if tokenizer is None:
@@ -50,13 +50,14 @@ class PromptEncoder:
                            "with prompt token ids", "messages")
         self.check_chars(sum(len(m["content"]) for m in messages), "messages")
         try:
-            text = await self._off_loop(tokenizer.apply_chat_template, messages)
+            text = await self._off_loop(tokenizer.apply_chat_template, messages, add_generation_prompt)
         except ValueError as e:  # the template refused the conversation (raise_exception) or failed to render
             raise APIError(str(e), "messages") from None
         self.check_chars(len(text), "messages")
         return text
 
-    async def encode(self, prompts: Sequence[str | list[int]], name: str) -> list[list[int]]:
+    async def encode(self, prompts: Sequence[str | list[int]], name: str, add_special_tokens: bool = True
+                     ) -> list[list[int]]:
         """Token ids of each prompt (token-id prompts pass through); refuses those that cannot fit."""
         texts = [p for p in prompts if isinstance(p, str)]
         for text in texts:
@@ -66,7 +67,7 @@ class PromptEncoder:
             tokenizer = self.tokenizer
             if tokenizer is None:
                 raise APIError("this model has no tokenizer.json, so prompts must be token ids", name)
-            encoded = iter(await self._off_loop(lambda: [tokenizer.encode(t) for t in texts]))
+            encoded = iter(await self._off_loop(lambda: [tokenizer.encode(t, add_special_tokens) for t in texts]))
         out = [next(encoded) if isinstance(p, str) else p for p in prompts]
         for ids in out:
             if not ids:

@@ -31,10 +31,10 @@ from kvfleet_agent.core.scheduler_output import SchedulerOutput
 from kvfleet_agent.layers import tp_group
 from kvfleet_agent.layers.tp_group import TPGroup, start_store
 from kvfleet_agent.models.config import ModelConfig
-from kvfleet_agent.outputs import Logprob
 from kvfleet_agent.worker.device import rank_device
 from kvfleet_agent.worker.model_runner import ModelRunner
 from kvfleet_agent.worker.rank_worker import WorkerSpec, rank_stats, run_worker
+from kvfleet_agent.worker.sampler import StepResult
 from kvfleet_agent.worker.step_batch import StepBatch, plan_batch, warmup_steps
 
 log = logging.getLogger(__name__)
@@ -183,7 +183,7 @@ class Executor:
         for step in warmup_steps(self.runner.block_size):
             self.execute(step)
 
-    def execute(self, out: SchedulerOutput) -> tuple[dict[str, int], dict[str, Logprob]]:
+    def execute(self, out: SchedulerOutput) -> StepResult:
         """One step on every rank: plan its batch, send it to the workers, run it here; rank 0 samples.
 
         The executor alone owns the step broadcast: the runner only runs the batch it is given.
@@ -191,7 +191,7 @@ class Executor:
         self.check()
         self.runner.forget(out.finished)
         if not out.chunks:
-            return {}, {}
+            return {}, {}, {}
         batch, samplers = plan_batch(out.chunks, self.runner.block_size)
         if not self.workers:
             return self.runner.execute(batch, samplers)

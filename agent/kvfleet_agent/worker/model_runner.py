@@ -16,12 +16,11 @@ from kvfleet_agent.layers.tp_group import TPGroup
 from kvfleet_agent.models.config import ModelConfig
 from kvfleet_agent.models.llama import LlamaForCausalLM
 from kvfleet_agent.models.loader import load_weights
-from kvfleet_agent.outputs import Logprob
 from kvfleet_agent.sampling_params import SamplingParams
 from kvfleet_agent.worker.cuda_graphs import DecodeGraphRunner
 from kvfleet_agent.worker.device import rank_device, resolve_dtype, to_device
 from kvfleet_agent.worker.kv_budget import cpu_kv_budget, kv_budget_from_profile
-from kvfleet_agent.worker.sampler import Sampler
+from kvfleet_agent.worker.sampler import PromptLogprobs, Sampler, StepResult, prompt_logprobs
 from kvfleet_agent.worker.step_batch import StepBatch, plan_batch, profile_batch, warmup_steps
 from kvfleet_kernels import dispatch
 from kvfleet_kernels.plan import decode_plan
@@ -184,8 +183,7 @@ class ModelRunner:
         self.sampler.forget(request_ids)
 
     @torch.inference_mode()
-    def execute(self, batch: StepBatch, samplers: list[ScheduledChunk]
-                ) -> tuple[dict[str, int], dict[str, Logprob]]:
+    def execute(self, batch: StepBatch, samplers: list[ScheduledChunk]) -> StepResult:
         """Run a step's batch and sample it (rank 0): the next token (and logprobs if asked) of each sampling chunk.
 
         `samplers` are the chunks that sample, in the order of the batch's sample rows (plan_batch's second
@@ -193,17 +191,24 @@ class ModelRunner:
         """
         logits = self.forward(batch)
         if logits is None:
-            return {}, {}
+            return {}, {}, {}
+        prompt: PromptLogprobs = {}
+        if len(batch.prompt_rows):
+            s = len(batch.sample_rows)
+            prompt = prompt_logprobs(logits[s:], batch.prompt_spans)
+            logits = logits[:s]
         ids = [c.request_id for c in samplers]
-        tokens, logprobs = self.sampler.sample(logits, ids, [c.sampling_params for c in samplers])
+        tokens, logprobs = self.sampler.sample(logits, ids, [c.sampling_params for c in samplers],
+                                               [c.history for c in samplers])
         return (dict(zip(ids, tokens, strict=True)),
-                {rid: lp for rid, lp in zip(ids, logprobs, strict=True) if lp is not None})
+                {rid: lp for rid, lp in zip(ids, logprobs, strict=True) if lp is not None}, prompt)
 
     @torch.inference_mode()
     def forward(self, batch: StepBatch) -> torch.Tensor | None:
-        """The model over the batch; logits of the sample rows over the whole vocabulary (None if none)."""
+        """The model over the batch; logits of the sample rows over the whole vocabulary (None if none),
+        followed by those of the prompt-logprob rows when the batch has any."""
         graphs = self.decode_graphs
-        size = graphs.accepts(batch) if graphs.active else None
+        size = graphs.accepts(batch) if graphs.active and not len(batch.prompt_rows) else None
         if size is not None:
             hidden = graphs.run(batch, size)
             # Usually every decode row samples, in order: then the hidden states need no gather.
@@ -211,7 +216,9 @@ class ModelRunner:
                 to_device([batch.sample_rows], self.device)[0]
         else:
             hidden, rows = self._eager_hidden(batch)
-        if not len(batch.sample_rows):
+        if len(batch.prompt_rows):  # rare: a request asked for prompt logprobs
+            rows = to_device([np.concatenate([batch.sample_rows, batch.prompt_rows])], self.device)[0]
+        elif not len(batch.sample_rows):
             return None
         return self.model.compute_logits(hidden if rows is None else hidden.index_select(0, rows))
 

@@ -1,4 +1,5 @@
-"""Sampler: logits of a step's sampling rows → next tokens (greedy, temperature, top-k, top-p, seeds)."""
+"""Sampler: logits of a step's sampling rows → next tokens (greedy, temperature, top-k, top-p, min-p, seeds,
+penalties, logit bias, min_tokens)."""
 
 from __future__ import annotations
 
@@ -6,8 +7,10 @@ from collections.abc import Iterable, Sequence
 
 import torch
 
+from kvfleet_agent.core.scheduler_output import TokenHistory
 from kvfleet_agent.outputs import Logprob
 from kvfleet_agent.sampling_params import SamplingParams
+from kvfleet_agent.worker.logits_processing import process_logits
 
 
 class Sampler:
@@ -24,10 +27,17 @@ class Sampler:
         for rid in request_ids:
             self.generators.pop(rid, None)
 
-    def sample(self, logits: torch.Tensor, request_ids: Sequence[str], params: Sequence[SamplingParams]
-               ) -> tuple[list[int], list[Logprob | None]]:
-        """One token per row of logits [N, V], and logprobs for the rows that asked for them."""
-        logits = logits.float()
+    def sample(self, logits: torch.Tensor, request_ids: Sequence[str], params: Sequence[SamplingParams],
+               histories: Sequence[TokenHistory | None] | None = None) -> tuple[list[int], list[Logprob | None]]:
+        """One token per row of logits [N, V], and logprobs for the rows that asked for them.
+
+        histories: each row's tokens so far, needed by the rows whose params process logits (penalties,
+        min_tokens). Rows without any processing take the same path as before it existed.
+        """
+        logits = raw = logits.float()
+        processed = [i for i, p in enumerate(params) if p.processes_logits]
+        if processed:  # the slow path, on the processed rows only; logprobs stay those of the model
+            logits = process_logits(logits.clone(), processed, params, histories or [None] * len(params))
         tokens = logits.argmax(dim=-1)
         random_rows = [i for i, p in enumerate(params) if not p.greedy]
         if random_rows:
@@ -40,9 +50,9 @@ class Sampler:
         wanted = [i for i, p in enumerate(params) if p.logprobs is not None]
         if wanted:
             # Log-probabilities of the model's own distribution, before temperature and cuts (as vLLM).
-            lp = torch.log_softmax(logits[wanted], dim=-1)
+            lp = torch.log_softmax(raw[wanted], dim=-1)
             for row, i in enumerate(wanted):
-                k = params[i].logprobs or 0
+                k = min(params[i].logprobs or 0, lp.shape[-1])
                 top = torch.topk(lp[row], k) if k else None
                 logprobs[i] = Logprob(token_list[i], float(lp[row, token_list[i]]),
                                       dict(zip(top.indices.tolist(), top.values.tolist(), strict=True))
@@ -55,6 +65,9 @@ class Sampler:
         logits = logits / temps[:, None]
         top_k = [p.top_k for p in params]
         top_p = [p.top_p for p in params]
+        min_p = [p.min_p for p in params]
+        if any(m > 0.0 for m in min_p):
+            logits = _min_p(logits, min_p)
         if any(k > 0 for k in top_k) or any(p < 1.0 for p in top_p):
             logits = _cut(logits, top_k, top_p)
         probs = torch.softmax(logits, dim=-1)
@@ -73,6 +86,35 @@ class Sampler:
             gen = self.generators[request_id] = torch.Generator(device=self.device)
             gen.manual_seed(params.seed)
         return gen
+
+
+PromptLogprobs = dict[str, tuple[int, list[Logprob]]]  # request → (first prompt position, its tokens' logprobs)
+# A step's results on rank 0: each sampling request's token, the logprobs asked for, the prompt logprobs.
+StepResult = tuple[dict[str, int], dict[str, Logprob], PromptLogprobs]
+
+
+def prompt_logprobs(logits: torch.Tensor, spans: Sequence[tuple[str, int, list[int], int]]) -> PromptLogprobs:
+    """The prompt tokens' logprobs from the logits of the positions before them (rows in span order)."""
+    lp = torch.log_softmax(logits.float(), dim=-1)
+    out: PromptLogprobs = {}
+    row = 0
+    for rid, first, targets, top_k in spans:
+        rows = lp[row:row + len(targets)]
+        picked = rows.gather(1, torch.tensor(targets, device=lp.device)[:, None])[:, 0].tolist()
+        k = min(top_k, lp.shape[-1])
+        top = torch.topk(rows, k) if k else None
+        out[rid] = (first, [Logprob(t, v, dict(zip(top.indices[i].tolist(), top.values[i].tolist(), strict=True))
+                                        if top is not None else {})
+                            for i, (t, v) in enumerate(zip(targets, picked, strict=True))])
+        row += len(targets)
+    return out
+
+
+def _min_p(logits: torch.Tensor, min_p: list[float]) -> torch.Tensor:
+    """Mask tokens whose probability (after temperature) is below min_p times the row's top probability (vLLM)."""
+    probs = torch.softmax(logits, dim=-1)
+    threshold = probs.amax(dim=-1, keepdim=True) * torch.tensor(min_p, device=logits.device)[:, None]
+    return logits.masked_fill(probs < threshold, float("-inf"))
 
 
 def _cut(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
 from kvfleet_agent.core.scheduler_output import ScheduledChunk, SchedulerOutput
 from kvfleet_agent.sampling_params import SamplingParams
+
+PromptSpan = tuple[str, int, list[int], int]  # (request, position of the first target, targets, top-k)
 
 
 @dataclass(slots=True)
@@ -24,6 +26,10 @@ class StepBatch:
     decode_tables: np.ndarray  # [num_decodes, width] block tables of the decode rows
     prefills: list[tuple[int, int, int, np.ndarray]]  # (query_start, query_len, context_start, block table)
     sample_rows: np.ndarray  # [S] rows whose hidden state yields a next token
+    # Rows whose logits give prompt logprobs (after the sample rows' in the logits), rarely any: every rank
+    # computes the same logits (the LM head gathers across ranks); rank 0 reads them by prompt_spans.
+    prompt_rows: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    prompt_spans: list[PromptSpan] = field(default_factory=list)
 
 
 def plan_batch(chunks: list[ScheduledChunk], block_size: int) -> tuple[StepBatch, list[ScheduledChunk]]:
@@ -57,7 +63,24 @@ def plan_batch(chunks: list[ScheduledChunk], block_size: int) -> tuple[StepBatch
         start += n
     batch = StepBatch(np.asarray(ids, dtype=np.int64), np.concatenate(pos_parts), np.concatenate(slot_parts),
                       tables, spans, np.asarray(sample_rows, dtype=np.int64))
+    if any(c.prompt_ids is not None for c in chunks):
+        _plan_prompt_rows(batch, decodes + prefills)
     return batch, [c for c in decodes if c.sample] + [c for c in prefills if c.sample]
+
+
+def _plan_prompt_rows(batch: StepBatch, chunks: list[ScheduledChunk]) -> None:
+    """The rows of chunks asking for prompt logprobs, and each one's targets (the next prompt tokens)."""
+    rows: list[int] = []
+    row = 0
+    for c in chunks:  # in batch order: decodes, then prefills
+        if c.prompt_ids is not None:
+            count = min(len(c.token_ids), len(c.prompt_ids) - 1 - c.start_pos)
+            rows += range(row, row + count)
+            batch.prompt_spans.append((c.request_id, c.start_pos + 1,
+                                       c.prompt_ids[c.start_pos + 1:c.start_pos + 1 + count],
+                                       c.sampling_params.prompt_logprobs or 0))
+        row += len(c.token_ids)
+    batch.prompt_rows = np.asarray(rows, dtype=np.int64)
 
 
 def warmup_steps(block_size: int) -> list[SchedulerOutput]:
