@@ -1,5 +1,6 @@
 """The full demo (`make demo`): control plane up, CRDs and operator installed, an InferenceDeployment applied,
-agents serving, a request answered; then how to watch it scale. The cluster keeps running until `make cluster-down`.
+agents serving, an InferenceRouter in front of them, a request answered through it; then how to load it and watch
+it scale. The cluster keeps running until `make cluster-down`.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # e2e/ is not a package
-from cluster import DEFAULT_RUN_DIR, ClusterError, LocalCluster, find_bin_dir
+from cluster import DEFAULT_RUN_DIR, GPU_TOLERATION, ClusterError, LocalCluster, find_bin_dir
 from operator_proc import Operator, condition, get_cr, install
 
 NAME = "tiny-llama"
@@ -35,6 +36,24 @@ def demo_cr(model: Path) -> dict[str, Any]:
                                         "latency": [{"metric": "ttft", "percentile": 95, "seconds": 0.5}]}},
         },
     }
+
+
+ROUTER = {"apiVersion": "serving.kvfleet.dev/v1alpha1", "kind": "InferenceRouter",
+          "metadata": {"name": "router", "namespace": NAMESPACE},
+          "spec": {"replicas": 1, "pod": {"tolerations": [GPU_TOLERATION]}}}  # every local node is a GPU node
+
+
+def wait_router(cluster: LocalCluster, deadline: float) -> dict[str, Any]:
+    """The router's pod once it is Ready (its discovery has listed the namespace) and routes to the model."""
+    while True:
+        items = cluster.kubectl_json("get", "pods", "-n", NAMESPACE, "-l", "app.kubernetes.io/name=kvfleet-router")
+        for pod in items["items"]:
+            conds = {c["type"]: c["status"] for c in pod.get("status", {}).get("conditions", [])}
+            if conds.get("Ready") == "True":
+                return dict(pod)
+        if time.monotonic() > deadline:
+            raise ClusterError(f"the router is not Ready: {items['items']}")
+        time.sleep(1.0)  # polling the API server
 
 
 def step(text: str) -> None:
@@ -86,16 +105,19 @@ def main() -> int:
             time.sleep(1.0)  # polling the API server
         print(cluster.kubectl("get", "inferencedeployments,deployments,pods", "-n", NAMESPACE, "-o", "wide").stdout)
 
-        pod = cluster.kubectl_json("get", "pods", "-n", NAMESPACE, "-l",
-                                   f"serving.kvfleet.dev/inference-deployment={NAME}")["items"][0]
-        ip = pod["status"]["podIP"]
-        step(f"asking the agent on pod IP {ip} for a completion (through a port forward)")
+        step("applying InferenceRouter router: one OpenAI endpoint in front of every replica")
+        cluster.kubectl("apply", "--server-side", "-f", "-", stdin=json.dumps(ROUTER))
+        router = wait_router(cluster, time.monotonic() + args.timeout)
+        ip = router["status"]["podIP"]
+        step(f"asking the router on pod IP {ip} for a completion (through a port forward)")
         body = json.dumps({"model": NAME, "prompt": "The capital of France is", "max_tokens": 16}).encode()
-        with cluster.port_forward(ip, 8000) as port:
+        with cluster.port_forward(ip, 8080) as port:
             req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", body,
                                          {"Content-Type": "application/json"})
             with urllib.request.urlopen(req, timeout=60) as resp:
                 answer = json.loads(resp.read())
+                route = resp.headers.get("x-kvfleet-route", "")
+        print(f"x-kvfleet-route: {route}")
         print(json.dumps(answer, indent=1))
     except (ClusterError, subprocess.CalledProcessError, OSError) as exc:
         print(f"demo failed: {exc}\nthe cluster is left running for a look; stop it with `make cluster-down`",
@@ -108,10 +130,11 @@ def main() -> int:
 ==> the cluster keeps running. Watch it:
   export KUBECONFIG={cluster.kubeconfig} PATH={bin_dir}:$PATH
   kubectl get infd -w                       # READY / REPLICAS / DESIRED / TTFT-p95
+  kubectl get inferencerouters              # the router: ready, models it routes
   kubectl describe infd {NAME}              # conditions, the last scaling decision and why
   kubectl get events --field-selector involvedObject.name={NAME}
-Put load on it from inside the pod network (the agents' IPs live there), and watch it scale:
-  {shell} {agent} bench serve --url http://{ip}:8000 --request-rate 40 --num-requests 2000
+Put load on the router from inside the pod network (pod IPs live there), and watch it scale and spread:
+  {shell} {agent} bench serve --url http://{ip}:8080 --request-rate 40 --num-requests 2000
 Operator log: {op.proc.log if op.proc else '-'}
 Stop everything: {stop}""")
     return 0
