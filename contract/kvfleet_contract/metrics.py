@@ -52,3 +52,16 @@ ROUTER_HELD_REQUESTS: Final = "kvfleet_router_held_requests"
 # The held gauge's labels: the served model name, and the InferenceDeployment serving it (empty for static endpoints).
 NAMESPACE_LABEL: Final = "namespace"
 DEPLOYMENT_LABEL: Final = "inference_deployment"
+
+# The opt-in vLLM view (KVFLEET_METRICS_COMPAT=vllm on the agent): vLLM's own family names, labels and bucket
+# bounds, so its published dashboards, llm-d's endpoint-picker flags and KEDA recipes read kvfleet unmodified.
+METRICS_COMPAT_ENV: Final = "KVFLEET_METRICS_COMPAT"
+VLLM_MODEL_LABEL: Final = "model_name"
+VLLM_ENGINE_LABEL: Final = "engine"  # vLLM's data-parallel engine index; one engine per agent: always "0"
+VLLM_TTFT_BUCKETS: Final = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
+                            10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+VLLM_ITL_BUCKETS: Final = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                           20.0, 40.0, 80.0)
+# Shared by vLLM's per-request time histograms: e2e, queue, inference, prefill, decode.
+VLLM_REQUEST_BUCKETS: Final = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
+                               120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)

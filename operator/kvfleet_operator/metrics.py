@@ -4,14 +4,27 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import Metric
 
 log = logging.getLogger(__name__)
 
-REGISTRY = CollectorRegistry()
+
+class ExpositionRegistry(CollectorRegistry):
+    """A registry that leaves out prometheus_client's *_created samples (creation times, not data); per registry, not
+    the process-wide disable_created_metrics(), so other registries in the same process keep their behaviour."""
+
+    def collect(self) -> Iterator[Metric]:
+        """Every collector's families, less their _created samples."""
+        for metric in super().collect():
+            metric.samples = [s for s in metric.samples if s.name != metric.name + "_created"]
+            yield metric
+
+
+REGISTRY = ExpositionRegistry()
 RECONCILES = Counter("kvfleet_operator_reconciles", "Reconciles of InferenceDeployments by trigger and result",
                      ["trigger", "result"], registry=REGISTRY)
 RECONCILE_SECONDS = Histogram("kvfleet_operator_reconcile_duration_seconds", "Time one reconcile took",

@@ -16,6 +16,17 @@ HELD_LABELS = (contract.MODEL_LABEL, contract.NAMESPACE_LABEL, contract.DEPLOYME
 HeldSample = tuple[str, str, str, float]
 
 
+class ExpositionRegistry(CollectorRegistry):
+    """A registry that leaves out prometheus_client's *_created samples (creation times, not data); per registry, not
+    the process-wide disable_created_metrics(), so other registries in the same process keep their behaviour."""
+
+    def collect(self) -> Iterator[Metric]:
+        """Every collector's families, less their _created samples."""
+        for metric in super().collect():
+            metric.samples = [s for s in metric.samples if s.name != metric.name + "_created"]
+            yield metric
+
+
 class HeldRequests:
     """The held-requests gauge of the contract, read at scrape time from the hold queue and the fleet (a count
     kept by inc/dec could not follow a model whose InferenceDeployments change while requests wait)."""
@@ -44,7 +55,7 @@ class RouterMetrics:
     """One registry per router (tests run several in a process)."""
 
     def __init__(self, held: Callable[[], Iterable[HeldSample]] = lambda: ()) -> None:
-        r = self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry = ExpositionRegistry(auto_describe=True)
         self.requests = Counter("kvfleet_router_requests", "Requests by model, replica and outcome.",
                                 ["model", "replica", "outcome"], registry=r)
         self.decisions = Counter("kvfleet_router_routing_decisions", "Replica choices by reason.",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
@@ -11,7 +12,22 @@ from prometheus_client.registry import Collector
 from kvfleet_agent.core.request import Request
 from kvfleet_agent.engine.async_llm import AsyncLLM
 from kvfleet_agent.server.admission import Admission
+from kvfleet_agent.server.vllm_metrics import VllmView
 from kvfleet_contract import metrics as contract
+
+COMPAT_VIEWS = ("", "vllm")  # KVFLEET_METRICS_COMPAT: unset or empty, kvfleet's families only; vllm, vLLM's too
+
+
+class ExpositionRegistry(CollectorRegistry):
+    """A registry that leaves out prometheus_client's *_created samples: creation times, not data, that double the
+    series of every counter and histogram. Per registry rather than prometheus_client's process-wide switch, so
+    that other exporters in the same process (tests run several) keep their own behaviour."""
+
+    def collect(self) -> Iterator[Metric]:
+        """Every collector's families, less their _created samples."""
+        for metric in super().collect():
+            metric.samples = [s for s in metric.samples if s.name != metric.name + "_created"]
+            yield metric
 
 
 class AgentMetrics(Collector):
@@ -21,9 +37,13 @@ class AgentMetrics(Collector):
     is the one place that counts. Histograms are observed on the engine thread via EngineObserver.
     """
 
-    def __init__(self, llm: AsyncLLM, admission: Admission, model: str) -> None:
+    def __init__(self, llm: AsyncLLM, admission: Admission, model: str, compat: str | None = None) -> None:
+        """compat: the extra view (see COMPAT_VIEWS); None reads KVFLEET_METRICS_COMPAT from the environment."""
         self.llm, self.admission, self.model = llm, admission, model
-        self.registry = CollectorRegistry(auto_describe=True)
+        compat = os.environ.get(contract.METRICS_COMPAT_ENV, "") if compat is None else compat
+        if compat not in COMPAT_VIEWS:
+            raise ValueError(f"{contract.METRICS_COMPAT_ENV}={compat!r}: expected one of {COMPAT_VIEWS[1:]} or unset")
+        self.registry = ExpositionRegistry(auto_describe=True)
         labels = [contract.MODEL_LABEL]
 
         def hist(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
@@ -36,6 +56,7 @@ class AgentMetrics(Collector):
         self._children = [h.labels(model) for h in (self.ttft, self.itl, self.e2e, self.queue)]
         self.registry.register(self)
         llm.add_observer(self)
+        self.vllm = VllmView(llm, model, self.registry) if compat == "vllm" else None
 
     # -- EngineObserver (engine thread) -----------------------------------------------------------
 
