@@ -20,7 +20,9 @@ from kvfleet_router.picker import pick
 from kvfleet_router.prefix import prefix_key
 
 log = logging.getLogger(__name__)
-ROUTES = ("/v1/completions", "/v1/chat/completions")
+# Every POST the agents serve that names a model: generation, and vLLM's tokenizer routes (any replica answers them
+# alike; they go through the same picking so a held model holds them too).
+ROUTES = ("/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize")
 RETRY_STATUSES = (429, 503)  # the agent refused before starting: another replica may take it
 FORWARDED_HEADERS = ("Content-Type", "Authorization", "Accept")
 ROUTE_HEADER = "x-kvfleet-route"
@@ -45,7 +47,8 @@ class Router:
         """The aiohttp application: OpenAI routes, models, health, readiness, metrics."""
         app = web.Application(client_max_size=MAX_BODY)
         app.add_routes([*(web.post(path, self.relay) for path in ROUTES), web.get("/v1/models", self.models),
-                        web.get("/health", self.health), web.get("/ready", self.ready),
+                        web.get("/v1/models/{model}", self.model), web.get("/health", self.health),
+                        web.get("/ping", self.health), web.get("/ready", self.ready),
                         web.get("/metrics", self.exposition)])
         app.on_startup.append(self._open)
         app.on_cleanup.append(self._close)
@@ -89,6 +92,15 @@ class Router:
         data = [{"id": m, "object": "model", "owned_by": "kvfleet", "ready_replicas": len(self.fleet.ready(m))}
                 for m in sorted(self.fleet.models)]
         return web.json_response({"object": "list", "data": data})
+
+    async def model(self, request: web.Request) -> web.Response:
+        """GET /v1/models/{id}: one model the router knows, or a 404 in OpenAI's shape naming the known ones."""
+        name = request.match_info["model"]
+        if name not in self.fleet.models:
+            known = ", ".join(sorted(self.fleet.models)) or "none"
+            return error(404, f"model {name!r} is not served here; models: {known}", "invalid_request_error")
+        return web.json_response({"id": name, "object": "model", "owned_by": "kvfleet",
+                                  "ready_replicas": len(self.fleet.ready(name))})
 
     async def relay(self, request: web.Request) -> web.StreamResponse:
         """POST an OpenAI route: pick, forward, retry on refusal before any byte, relay the answer."""

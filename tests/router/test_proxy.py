@@ -13,7 +13,7 @@ from collections.abc import Callable
 
 import aiohttp
 import pytest
-from openai import OpenAI
+from openai import NotFoundError, OpenAI
 from router_helpers import (  # noqa: F401 (fixtures, found by name)
     MODEL,
     OpenAIless,
@@ -40,6 +40,45 @@ def test_a_request_through_the_router_equals_a_direct_call(router: RouterProcess
                         raw.headers["x-kvfleet-route"])
     chat = via.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=4)
     assert chat.choices[0].finish_reason == "length"
+
+
+def test_model_lookup_and_tokenizer_routes_pass_through(router: RouterProcess, agents: list[AgentProcess]) -> None:
+    via = OpenAI(base_url=f"{router.url}/v1", api_key="unused")
+    assert via.models.retrieve(MODEL).id == MODEL
+    with pytest.raises(NotFoundError, match="not served here"):
+        via.models.retrieve("nope")
+    body = json.dumps({"model": MODEL, "prompt": "The quick brown fox"}).encode()
+    status, headers, routed = OpenAIless.post(f"{router.url}/tokenize", body)
+    _, _, direct = OpenAIless.post(f"{agents[0].url}/tokenize", body)
+    assert status == 200 and json.loads(routed)["tokens"] == json.loads(direct)["tokens"]
+    assert "x-kvfleet-route" in headers
+    tokens = json.loads(routed)["tokens"]
+    back = json.dumps({"model": MODEL, "tokens": tokens}).encode()
+    status, _, text = OpenAIless.post(f"{router.url}/detokenize", back)
+    assert status == 200 and json.loads(text)["prompt"].endswith("The quick brown fox")  # maybe after a BOS
+
+
+def test_a_client_that_leaves_aborts_its_upstream_request(router: RouterProcess, agents: list[AgentProcess]) -> None:
+    def aborted() -> float:
+        return sum(v for a in agents for labels, v in counters(a.url, "kvfleet_requests").items()
+                   if ("outcome", "abort") in labels)
+
+    def running() -> float:
+        return sum(sum(counters(a.url, "kvfleet_requests_running").values()) for a in agents)
+
+    before = aborted()
+
+    async def leave_mid_stream() -> None:
+        body = {"model": MODEL, "prompt": "a long answer, please", "max_tokens": 480, "ignore_eos": True,
+                "stream": True}
+        async with aiohttp.ClientSession() as s, s.post(f"{router.url}/v1/completions", json=body) as r:
+            assert r.status == 200
+            await r.content.readline()  # the first event: generation is under way on a replica
+        # Leaving the block closes the connection with the stream unfinished.
+
+    asyncio.run(leave_mid_stream())
+    # The agent sees its connection close, aborts the request and frees its blocks, long before 480 tokens.
+    wait_for(lambda: aborted() == before + 1 and running() == 0, timeout=20)
 
 
 def test_distinct_prompts_spread_over_the_replicas(router: RouterProcess, agents: list[AgentProcess]) -> None:
