@@ -4,7 +4,7 @@ CLUSTER_DIR ?= /tmp/kvfleet-cluster
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | sha256sum | cut -c1-12)
 
-.PHONY: setup demo demo-offline test lint unit cluster-bins cluster-test bench cluster-up cluster-down clean
+.PHONY: setup demo demo-offline test lint unit cluster-bins prom-bins cluster-test bench cluster-up cluster-down clean
 
 setup: $(STAMP)
 
@@ -30,19 +30,25 @@ lint: setup
 	$(VENV)/bin/mypy
 	cd e2e && $(abspath $(VENV))/bin/mypy --strict *.py  # not a package: its own run
 
-unit: setup
+unit: setup prom-bins
 	$(PY) -m pytest -q
 
-# The control-plane binaries (and kubectl), built once: about 10 min cold, cached by version outside the repo.
+# The control-plane binaries (and kubectl), built once: about 10 min cold, cached by version outside the repo; and
+# helm (about 4 min cold), for the chart's tests.
 cluster-bins:
 	bash e2e/build.sh >/dev/null
+	bash e2e/build_helm.sh >/dev/null
+
+# Prometheus and promtool (Debian's package, unpacked into a version-keyed cache; no service): the observability tests.
+prom-bins:
+	bash e2e/prometheus.sh >/dev/null
 
 # The cluster tier: e2e/ against a real API server, with the process kubelet running real agents.
 cluster-test: setup cluster-bins
 	$(PY) -m pytest e2e -m cluster -q -p no:cacheprovider
 
-# Binaries before the unit tests: the kustomize rendering test uses the kubectl built with them.
-test: lint cluster-bins unit cluster-test
+# Binaries before the unit tests: the kustomize and Helm rendering tests use the kubectl and helm built with them.
+test: lint cluster-bins prom-bins unit cluster-test
 
 bench: setup
 	$(PY) ../shared/bench/compare_throughput.py

@@ -129,7 +129,7 @@ def main() -> int:
     print(f"""
 ==> the cluster keeps running. Watch it:
   export KUBECONFIG={cluster.kubeconfig} PATH={bin_dir}:$PATH
-  kubectl get infd -w                       # READY / REPLICAS / DESIRED / TTFT-p95
+  kubectl get infd -w                       # READY / REPLICAS / DESIRED / MODEL / AUTOSCALING / TTFT-P95 / ITL-P95
   kubectl get inferencerouters              # the router: ready, models it routes
   kubectl describe infd {NAME}              # conditions, the last scaling decision and why
   kubectl get events --field-selector involvedObject.name={NAME}

@@ -21,18 +21,13 @@ CRD = "inferencedeployments.serving.kvfleet.dev"
 
 
 def install(cluster: LocalCluster) -> None:
-    """`kubectl apply --server-side -k manifests/base`; wait for the CRDs to be Established.
+    """`kubectl apply --server-side -k manifests/base`, once (it must apply in one pass, as a GitOps sync does);
+    wait for the CRDs to be Established.
 
     The operator's own Deployment is scaled to zero: its image cannot be pulled here, so the tests run
     the same program as a process with that Deployment's ServiceAccount instead.
     """
-    for attempt in range(2):  # a custom resource in the base needs its CRD established first
-        proc = cluster.kubectl("apply", "--server-side", "--field-manager=kvfleet-e2e", "-k",
-                               str(REPO / "manifests/base"), check=attempt == 1)
-        if proc.returncode == 0:
-            break
-        wait_for("CRDs established", lambda: all(_established(cluster, c["metadata"]["name"]) for c in
-                                                 cluster.kubectl_json("get", "crd")["items"]), timeout=30)
+    cluster.kubectl("apply", "--server-side", "--field-manager=kvfleet-e2e", "-k", str(REPO / "manifests/base"))
     wait_for(f"{CRD} Established", lambda: _established(cluster, CRD), timeout=30)
     cluster.kubectl("scale", "deployment", "kvfleet-operator", "-n", NAMESPACE, "--replicas=0")
 

@@ -234,7 +234,8 @@ def test_operator_service_account_is_least_privilege(cluster: LocalCluster, oper
 def test_the_loops_beside_kopf_pause_while_another_instance_leads(cluster: LocalCluster, operator: Operator,
                                                                    namespace: str, tiny_model: Path) -> None:
     """With peering, a live peer of a higher priority in the peering object (what `kopf freeze` or a dev-mode
-    operator writes) pauses kopf's handlers and our resync alike; once it is gone, the resync heals the drift."""
+    operator writes) pauses kopf's handlers and our resync alike; once it is gone, the resync heals the drift. The
+    peering object is the operator's own: manifests/base does not ship it (so that it applies in one pass)."""
     name, peering = "peer", "clusterkopfpeering/kvfleet"
 
     def deployment_replicas() -> int:
@@ -251,9 +252,12 @@ def test_the_loops_beside_kopf_pause_while_another_instance_leads(cluster: Local
     operator.start()
     try:
         # kopf keeps alive under the identity we gave it: the loops find their own entry by it.
+        def peers() -> dict[str, Any]:  # a list, not a get: the object exists once the operator has made it
+            found = cluster.kubectl_json("get", "clusterkopfpeerings")["items"]
+            return next((p.get("status") or {} for p in found if p["metadata"]["name"] == "kvfleet"), {})
+
         wait_for("our identity in the peering object", lambda: any(
-            peer.startswith("kvfleet-operator@")
-            for peer in (cluster.kubectl_json("get", peering).get("status") or {})), timeout=30)
+            peer.startswith("kvfleet-operator@") for peer in peers()), timeout=30)
         apply_cr(cluster, inference_deployment(name, namespace, tiny_model))
         wait_for("the Deployment created", lambda: owned(cluster, namespace, name)["deployments"], timeout=30)
 

@@ -108,8 +108,8 @@ install_operator() {
     die "e2e/kind/overlay no longer sets the operator image (did the image name in manifests/base change?)"
   grep -q "value: $AGENT_IMAGE\$" "$WORK/install.yaml" ||
     die "e2e/kind/overlay no longer sets KVFLEET_AGENT_IMAGE (did the Deployment or container name in manifests/base change?)"
-  # Server-side, as manifests/base asks. The CRDs go first (crds/ is the base's CRD kustomization), so that the
-  # ClusterKopfPeering in the base finds its kind established.
+  # Server-side, as manifests/base asks. The base applies in one pass; the CRDs go first anyway so that the wait
+  # below sees them served before the operator starts (crds/ is the base's CRD kustomization).
   k apply --server-side -k "$ROOT/crds"
   k wait --for=condition=Established --timeout=60s \
     crd/inferencedeployments.serving.kvfleet.dev crd/clusterkopfpeerings.kopf.dev crd/kopfpeerings.kopf.dev

@@ -13,6 +13,7 @@ import kopf
 from kvfleet_operator import handlers, metrics
 from kvfleet_operator.config import OperatorConfig
 from kvfleet_operator.kube import Kube, default_login
+from kvfleet_operator.peering import ensure_peering_object
 from kvfleet_operator.state import OperatorState
 
 log = logging.getLogger("kvfleet_operator")
@@ -31,6 +32,8 @@ async def run(cfg: OperatorConfig) -> None:
     memo = kopf.Memo()
     state.attach(memo)
     runner, port = await metrics.serve(cfg.port, healthy)
+    # Beside kopf, not before it: kopf waits (paused) for the object, and /healthz must not wait on the CRD.
+    ensure = asyncio.create_task(ensure_peering_object(state.kube, cfg.peering)) if cfg.peering else None
     log.info(f"kvfleet operator: health and metrics on port {port}; namespaces: "
              f"{', '.join(cfg.namespaces) or 'all'}; peering: {cfg.peering or 'standalone'} as {state.identity}")
     try:
@@ -49,6 +52,8 @@ async def run(cfg: OperatorConfig) -> None:
             stop_flag=stop,
         )
     finally:
+        if ensure is not None:
+            ensure.cancel()
         await runner.cleanup()
 
 

@@ -157,9 +157,14 @@ def crd() -> dict[str, Any]:
         {"name": "Replicas", "type": "integer", "jsonPath": ".status.replicas"},
         {"name": "Desired", "type": "integer", "jsonPath": ".status.desiredReplicas"},
         {"name": "Model", "type": "string", "jsonPath": ".spec.model.name"},
-        {"name": "Autoscaling", "type": "string", "jsonPath": ".spec.autoscaling.mode", "priority": 1},
-        {"name": "TTFT-p95", "type": "number", "jsonPath": ".status.autoscaling.lastTtftP95Seconds",
-         "description": "TTFT p95 in seconds over the last autoscaling window"},
+        {"name": "Autoscaling", "type": "string", "jsonPath": ".spec.autoscaling.mode",
+         "description": "Who sets the replicas: off (spec.replicas), external (an HPA/KEDA) or builtin"},
+        # Strings with their unit: a printer column shows a field as it is (status.autoscaling documents them).
+        {"name": "TTFT-P95", "type": "string", "jsonPath": ".status.autoscaling.ttftP95",
+         "description": "Time to first token, p95 over spec.autoscaling.windowSeconds across ready replicas (builtin "
+                        "mode; the decision uses the lower of this and the last interval's p95)"},
+        {"name": "ITL-P95", "type": "string", "jsonPath": ".status.autoscaling.itlP95",
+         "description": "Inter-token latency, p95 over the same window (builtin mode)"},
         {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
     ]
     version = {
@@ -198,15 +203,22 @@ def render(file: str = CRD_FILE) -> str:
     return header + str(yaml.dump(build(), Dumper=_Dumper, sort_keys=False, width=120))
 
 
+# Helm installs a chart's CRDs from its crds/ folder as plain files (never templated): the same files as crds/.
+CHART_CRDS = "charts/kvfleet/crds"
+
+
 def main() -> int:
-    """Write every CRD into the directory given as the only argument (default: crds, from the repository root)."""
-    directory = Path(sys.argv[1] if len(sys.argv) > 1 else "crds")
-    if not directory.is_dir():
-        print(f"no directory {directory}: run from the repository root, or name the directory", file=sys.stderr)
-        return 2
-    for file in FILES:
-        (directory / file).write_text(render(file))
-        print(f"wrote {directory / file}", file=sys.stderr)  # stdout stays empty: `> file` from old habits is harmless
+    """Write every CRD into the directory given as the only argument (default: crds and the Helm chart's crds,
+    from the repository root)."""
+    directories = [Path(sys.argv[1])] if len(sys.argv) > 1 else [Path("crds"), Path(CHART_CRDS)]
+    for directory in directories:
+        if not directory.is_dir():
+            print(f"no directory {directory}: run from the repository root, or name the directory", file=sys.stderr)
+            return 2
+        for file in FILES:
+            (directory / file).write_text(render(file))
+            # stdout stays empty: `> file` from old habits is harmless
+            print(f"wrote {directory / file}", file=sys.stderr)
     return 0
 
 

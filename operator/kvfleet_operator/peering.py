@@ -25,7 +25,10 @@ import aiohttp
 from kvfleet_operator.config import OperatorConfig
 from kvfleet_operator.kube import PEERING_KIND, ApiError, KubeClient
 
+PEERING_API_VERSION = "kopf.dev/v1"
+
 log = logging.getLogger(__name__)
+ENSURE_RETRY_SECONDS = (1.0, 2.0, 5.0)  # then every 5 s: the CRD may still be on its way to Established
 DEFAULT_LIFETIME = 60  # kopf's default when a peer's entry names none
 CHECK_SECONDS = 5.0  # a verdict is reused this long: one read of the peering object serves every loop's round
 
@@ -99,3 +102,26 @@ class Leadership:
         if body is None:
             return False  # kopf waits for a mandatory peering object that does not exist
         return leads(body.get("status") or {}, self.identity, self._priority, datetime.now(UTC))
+
+
+async def ensure_peering_object(kube: KubeClient, name: str, *,
+                                pauses: tuple[float, ...] = ENSURE_RETRY_SECONDS) -> None:
+    """Create the ClusterKopfPeering `name` if it is missing, retrying until the API accepts it.
+
+    The operator makes its own peering object instead of shipping it in manifests/base: a custom resource next to
+    its CRD fails the first `kubectl apply` (no REST mapping until the CRD is Established) and needs sync waves in
+    Argo CD. Its content is kopf's runtime state (status only), so nothing is lost by not declaring it. kopf keeps
+    every handler paused until the object exists, then notices it through its watch."""
+    body = {"apiVersion": PEERING_API_VERSION, "kind": PEERING_KIND, "metadata": {"name": name, "namespace": ""}}
+    attempt = 0
+    while True:
+        try:
+            # Server-side apply of the name alone claims no field: kopf's status writes are never contested.
+            await kube.apply(body)
+            log.info(f"peering {name}: the ClusterKopfPeering exists")
+            return
+        except (ApiError, aiohttp.ClientError, TimeoutError) as e:
+            pause = pauses[min(attempt, len(pauses) - 1)]
+            log.warning(f"peering {name}: cannot create the ClusterKopfPeering yet ({e}); again in {pause:g} s")
+            attempt += 1
+            await asyncio.sleep(pause)

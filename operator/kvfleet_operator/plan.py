@@ -10,7 +10,7 @@ from pydantic import ValidationError
 
 from kvfleet_operator import builders
 from kvfleet_operator.config import OperatorConfig
-from kvfleet_operator.models import InferenceDeployment
+from kvfleet_operator.models import InferenceDeployment, InferenceDeploymentSpec
 from kvfleet_operator.ownership import Ownership, classify
 from kvfleet_operator.status import AUTOSCALER_CONDITIONS, RECONCILE_CONDITIONS, RECONCILE_FIELDS, invalid_spec, observe
 
@@ -89,6 +89,7 @@ class Plan:
     deletes: tuple[Delete, ...] = ()
     deployment: Manifest | None = None  # our live Deployment: what the status reports if it cannot be applied
     builtin: bool = False
+    waiting_for: str = "a node with room for them"  # waiting_for(spec): the status's words
 
     def status(self, *, deployment: Manifest | None, errors: Sequence[ReconcileError], now: str) -> dict[str, Any]:
         """The reconcile's status fields after the applies: `deployment` as applied (or as read), the errors in
@@ -101,7 +102,8 @@ class Plan:
                        deployment=deployment, error=None if first is None else first.message,
                        previous=_ours(self.current), now=now,
                        error_reason="ApplyFailed" if first is None else first.reason,
-                       zero=SCALED_TO_ZERO if self.builtin else "no replicas are requested")
+                       zero=SCALED_TO_ZERO if self.builtin else "no replicas are requested",
+                       waiting_for=self.waiting_for)
 
     def status_to_write(self, *, deployment: Manifest | None, errors: Sequence[ReconcileError],
                         now: str) -> dict[str, Any] | None:
@@ -158,7 +160,18 @@ def make_plan(body: Mapping[str, Any], children: Children, cfg: OperatorConfig, 
     deletes = tuple(Delete(kind, obj_name, ((children[kind, obj_name] or {}).get("metadata") or {}).get("uid"),
                            owner(kind, obj_name)) for _api_version, kind, obj_name in want.delete)
     return Plan(ns, name, generation, current, desired=desired, writes=tuple(writes), deletes=deletes,
-                deployment=ours, builtin=cr.spec.autoscaling.mode == "builtin")
+                deployment=ours, builtin=cr.spec.autoscaling.mode == "builtin",
+                waiting_for=waiting_for(cr.spec))
+
+
+def waiting_for(spec: InferenceDeploymentSpec) -> str:
+    """What a replica that is not ready yet may wait for, in the status's words: a CPU deployment never waits
+    for GPUs, and tells which requests a node must have free."""
+    if spec.gpus_per_replica:
+        return f"a node with {spec.gpus_per_replica} free {builders.GPU_RESOURCE}"
+    req = spec.resources.requests
+    free = [f"{v} {k}" for k, v in (("CPU", req.cpu if req else None), ("memory", req.memory if req else None)) if v]
+    return f"a node with {' and '.join(free)} free; no GPU requested" if free else "a node; no GPU requested"
 
 
 def _ours(status: Mapping[str, Any]) -> list[dict[str, Any]]:

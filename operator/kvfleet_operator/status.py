@@ -92,7 +92,16 @@ class AutoscalingStatus(_Status):
     expected_startup_seconds: float | None = None
     """Learned time from pod creation to ready."""
     last_ttft_p95_seconds: float | None = None
-    """TTFT p95 over the last window, across replicas."""
+    """ttftP95 in seconds, for machines."""
+    ttft_p95: str | None = Field(default=None, max_length=16)
+    """Time to first token, 95th percentile, with its unit (e.g. 172ms): over the last
+    spec.autoscaling.windowSeconds, across the ready replicas (histogram_quantile(0.95, sum by (le)
+    (increase(kvfleet_time_to_first_token_seconds_bucket[window]))), as Prometheus computes it). The autoscaler
+    acts on the lower of this and the last interval's p95 (lastDecision.proposals), so a spike must last to
+    scale up: the two figures can differ. kubectl get shows it as TTFT-P95."""
+    itl_p95: str | None = Field(default=None, max_length=16)
+    """Inter-token latency, 95th percentile, with its unit (e.g. 21.4ms): over the same window and replicas as
+    ttftP95. kubectl get shows it as ITL-P95."""
 
 
 class InferenceDeploymentStatus(_Status):
@@ -120,6 +129,17 @@ class InferenceDeploymentStatus(_Status):
     """Builtin autoscaling's last decision and learned figures."""
 
 
+def human_seconds(seconds: float) -> str:
+    """A duration the way a person reads it in a column: 0.1718 → 172ms, 0.0214 → 21.4ms, 2.5 → 2.50s."""
+    if seconds < 0.01:
+        return f"{seconds * 1000:.2f}ms"
+    if seconds < 0.1:
+        return f"{seconds * 1000:.1f}ms"
+    if seconds < 1:
+        return f"{seconds * 1000:.0f}ms"
+    return f"{seconds:.2f}s" if seconds < 100 else f"{seconds:.0f}s"
+
+
 def now_rfc3339() -> str:
     """The current time in the form Kubernetes writes timestamps."""
     return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
@@ -138,13 +158,15 @@ def condition(type_: str, ok: bool, reason: str, message: str, generation: int, 
 
 def observe(*, generation: int, desired: int, selector: str, deployment: dict[str, Any] | None,
             error: str | None, previous: list[dict[str, Any]], now: str,
-            error_reason: str = "ApplyFailed", zero: str = "no replicas are requested") -> dict[str, Any]:
+            error_reason: str = "ApplyFailed", zero: str = "no replicas are requested",
+            waiting_for: str = "a node with room for them") -> dict[str, Any]:
     """The status fields the reconcile owns, from the Deployment it applied (or the error that stopped it).
 
     Ready is what `kubectl wait --for=condition=Ready`, Flux and Argo CD health read: True only once the current
     configuration is fully rolled out (no pod of an older template left) and at least `desired` replicas are
     ready, and never while an apply failed. Available says whether the model is served at all (>= 1 ready).
-    At zero desired replicas both are False with reason ScaledToZero and the message `zero`.
+    At zero desired replicas both are False with reason ScaledToZero and the message `zero`. `waiting_for` says
+    what pods that are not ready may be waiting for (plan.waiting_for: GPUs, or CPU and memory).
     """
     dstat = (deployment or {}).get("status") or {}
     replicas, ready, updated = (int(dstat.get(k) or 0) for k in ("replicas", "readyReplicas", "updatedReplicas"))
@@ -192,8 +214,8 @@ def observe(*, generation: int, desired: int, selector: str, deployment: dict[st
     elif desired == 0:
         available = cond(AVAILABLE, False, "ScaledToZero", zero)
     else:
-        available = cond(AVAILABLE, False, "NoReplicaReady", f"0/{desired} replicas are ready (loading, or waiting "
-                                                             "for a node with free GPUs)")
+        available = cond(AVAILABLE, False, "NoReplicaReady",
+                         f"0/{desired} replicas are ready (loading, or waiting for {waiting_for})")
 
     if error is not None:
         progressing = cond(PROGRESSING, False, error_reason, "the desired state could not be applied")

@@ -11,7 +11,7 @@ from kvfleet_operator.autoscaling.decide import DEFAULT_SCALE_UP, AutoscalerStat
 from kvfleet_operator.autoscaling.fleet import Fleet, Pod
 from kvfleet_operator.autoscaling.status import autoscaling_status, conditions, decision_status, policy, rebuild_state
 from kvfleet_operator.models import AutoscalingSpec
-from kvfleet_operator.status import AutoscalingStatus, InferenceDeploymentStatus
+from kvfleet_operator.status import AutoscalingStatus, InferenceDeploymentStatus, human_seconds
 
 NOW = 1767225600.0  # 2026-01-01T00:00:00Z
 
@@ -57,8 +57,17 @@ def test_history_keeps_ten_changes_newest_first() -> None:
     assert len(kept.history) == 10 and kept.history[0].current_replicas == 11  # an unchanged decision adds none
     assert kept.last_decision is not None and kept.last_decision.desired_replicas == 5
     assert status["expectedStartupSeconds"] == 42.0 and status["lastTtftP95Seconds"] == 0.1235
+    assert status["ttftP95"] == "123ms" and "itlP95" not in status  # nothing observed: no column text
     full = InferenceDeploymentStatus.model_validate({"autoscaling": status})  # what the CRD schema holds
     assert isinstance(full.autoscaling, AutoscalingStatus)
+
+
+@pytest.mark.parametrize(("seconds", "text"), [(0.1718, "172ms"), (0.0214, "21.4ms"), (0.00412, "4.12ms"),
+                                               (2.5, "2.50s"), (250.0, "250s")])
+def test_latency_columns_carry_their_unit(seconds: float, text: str) -> None:
+    assert human_seconds(seconds) == text
+    out = autoscaling_status(decision(2, 2, t=NOW), None, seconds, seconds / 10)
+    assert out.ttft_p95 == text and out.itl_p95 == human_seconds(seconds / 10)
 
 
 def test_state_after_a_restart_comes_back_from_the_status() -> None:

@@ -86,9 +86,15 @@ def test_names_subresources_and_columns() -> None:
     assert v["subresources"]["scale"] == {"specReplicasPath": ".spec.replicas",
                                           "statusReplicasPath": ".status.replicas",
                                           "labelSelectorPath": ".status.selector"}
-    cols = {col["name"]: col["jsonPath"] for col in v["additionalPrinterColumns"]}
-    assert cols["Ready"] == ".status.readyReplicas" and cols["Model"] == ".spec.model.name"
-    assert cols["TTFT-p95"] == ".status.autoscaling.lastTtftP95Seconds" and "Age" in cols
+    cols = {col["name"]: col for col in v["additionalPrinterColumns"]}
+    assert cols["Ready"]["jsonPath"] == ".status.readyReplicas" and cols["Model"]["jsonPath"] == ".spec.model.name"
+    # The SLO columns are strings with their unit; they and the autoscaling mode show without -o wide.
+    assert cols["TTFT-P95"]["jsonPath"] == ".status.autoscaling.ttftP95" and cols["TTFT-P95"]["type"] == "string"
+    assert cols["ITL-P95"]["jsonPath"] == ".status.autoscaling.itlP95" and "Age" in cols
+    assert cols["Autoscaling"]["jsonPath"] == ".spec.autoscaling.mode"
+    assert not [c for c in cols.values() if c.get("priority")]
+    props = v["schema"]["openAPIV3Schema"]["properties"]["status"]["properties"]["autoscaling"]["properties"]
+    assert "windowSeconds" in props["ttftP95"]["description"] and "lower of" in props["ttftP95"]["description"]
 
 
 def test_module_writes_every_crd(tmp_path: Path) -> None:

@@ -16,6 +16,7 @@ from kvfleet_operator import kube
 from kvfleet_operator.builders import OPERATOR_POD_LABELS, network_policy, plan
 from kvfleet_operator.config import OperatorConfig
 from kvfleet_operator.models import InferenceDeployment
+from kvfleet_operator.plan import child_keys, make_plan
 
 ROOT = Path(__file__).resolve().parents[2]
 # The InferenceDeployment samples (router.yaml, an InferenceRouter, is tested in test_router_manifests.py).
@@ -56,8 +57,10 @@ def test_base_renders_the_crds_and_the_operator() -> None:
     assert ("CustomResourceDefinition", "clusterkopfpeerings.kopf.dev") in kinds
     assert {("Namespace", "kvfleet-system"), ("ServiceAccount", "kvfleet-operator"),
             ("ClusterRole", "kvfleet-operator"), ("ClusterRoleBinding", "kvfleet-operator"),
-            ("Deployment", "kvfleet-operator"),
-            ("ClusterKopfPeering", "kvfleet")} <= kinds
+            ("Deployment", "kvfleet-operator")} <= kinds
+    # One pass: no custom resource beside its CRD (the operator creates its ClusterKopfPeering itself).
+    crd_kinds = {d["spec"]["names"]["kind"] for d in rendered() if d["kind"] == "CustomResourceDefinition"}
+    assert not crd_kinds & {d["kind"] for d in rendered()}
     crd = find("CustomResourceDefinition", "inferencedeployments.serving.kvfleet.dev")
     committed = yaml.safe_load((ROOT / "crds" / "serving.kvfleet.dev_inferencedeployments.yaml").read_text())
     assert crd["spec"] == committed["spec"]  # the base carries the generated CRD, not a stale copy
@@ -81,7 +84,8 @@ def _allowed(group: str, resource: str, verb: str) -> bool:
 # What the operator does with each kind kube.py knows (get: ownership checks and reads; create + patch:
 # server-side apply; list + watch: kopf's watches; delete: only the args ConfigMap, an opted-out NetworkPolicy and a
 # router's grants it no longer needs; pods: the autoscaler and the router status list them, and get + watch are held
-# only to be granted to routers; peering objects: kopf watches and patches them, peering.py lists them).
+# only to be granted to routers; peering objects: kopf watches and patches them, peering.py lists them and creates
+# the operator's own).
 CALLS = {"Deployment": {"get", "list", "watch", "create", "patch"}, "Service": {"get", "create", "patch"},
          "PodDisruptionBudget": {"get", "create", "patch"}, "ConfigMap": {"get", "create", "patch", "delete"},
          "NetworkPolicy": {"get", "create", "patch", "delete"},
@@ -89,7 +93,7 @@ CALLS = {"Deployment": {"get", "list", "watch", "create", "patch"}, "Service": {
          "ServiceAccount": {"get", "create", "patch"}, "Role": {"get", "list", "create", "patch", "delete"},
          "RoleBinding": {"get", "list", "create", "patch", "delete"},
          "InferenceRouter": {"get", "list", "watch", "patch"},
-         "ClusterKopfPeering": {"list", "watch", "patch"}}
+         "ClusterKopfPeering": {"list", "watch", "create", "patch"}}
 GROUPS = {"/api/v1": "", "/apis/apps/v1": "apps", "/apis/policy/v1": "policy",
           "/apis/networking.k8s.io/v1": "networking.k8s.io",
           "/apis/rbac.authorization.k8s.io/v1": "rbac.authorization.k8s.io",
@@ -108,7 +112,7 @@ def test_rbac_covers_every_call_and_no_more() -> None:
     assert not _allowed("", "pods", "delete") and not _allowed("", "secrets", "get")
     assert not _allowed("", "configmaps", "list")  # no cluster-wide read of every ConfigMap
     assert _verbs("", "events") == {"create", "patch"}
-    assert _verbs("kopf.dev", "clusterkopfpeerings") == {"list", "watch", "patch"}
+    assert _verbs("kopf.dev", "clusterkopfpeerings") == {"list", "watch", "create", "patch"}
     assert not _verbs("kopf.dev", "kopfpeerings")  # namespaced peering is refused by the config
     subject = find("ClusterRoleBinding")["subjects"][0]
     assert (subject["name"], subject["namespace"]) == ("kvfleet-operator", "kvfleet-system")
@@ -122,7 +126,7 @@ def test_operator_deployment_is_locked_down() -> None:
                                     "capabilities": {"drop": ["ALL"]}}
     assert c["livenessProbe"]["httpGet"]["path"] == "/healthz"
     env = {e["name"]: e.get("value", e.get("valueFrom")) for e in c["env"]}
-    assert env["KVFLEET_PEERING"] == find("ClusterKopfPeering")["metadata"]["name"]
+    assert env["KVFLEET_PEERING"] == "kvfleet"  # the ClusterKopfPeering it creates
 
 
 def _downward_env(deployment: dict[str, Any]) -> dict[str, str]:
@@ -196,3 +200,21 @@ def test_samples_cover_cpu_one_gpu_and_tensor_parallel() -> None:
     specs = [InferenceDeployment.model_validate(yaml.safe_load(p.read_text())).spec for p in SAMPLES]
     assert sorted(s.gpus_per_replica for s in specs) == [0, 1, 4]
     assert any(s.runtime.tensor_parallel_size == 4 for s in specs)
+
+
+def test_the_cpu_sample_runs_on_a_cpu_node_and_says_what_it_waits_for() -> None:
+    body = yaml.safe_load((ROOT / "manifests/samples/tiny-cpu.yaml").read_text())
+    cr = InferenceDeployment.model_validate(body | {"metadata": {**body["metadata"], "namespace": "default"}})
+    [deployment] = [o for o in plan(cr, "agent:test", 1).apply if o["kind"] == "Deployment"]
+    pod = deployment["spec"]["template"]["spec"]
+    assert not pod.get("tolerations") and not pod.get("nodeSelector")  # any schedulable node, no GPU taint
+    assert all("nvidia.com/gpu" not in str(c.get("resources")) for c in pod["containers"])
+    unready = {"metadata": {"generation": 1},
+               "status": {"replicas": 1, "updatedReplicas": 1, "observedGeneration": 1}}
+    meta = {**body["metadata"], "namespace": "default", "uid": "u", "generation": 1}
+    found = dict.fromkeys(child_keys("tiny-llama"))
+    status = make_plan(body | {"metadata": meta}, found, OperatorConfig(), None).status(
+        deployment=unready, errors=[], now="2026-01-01T00:00:00Z")
+    [available] = [c for c in status["conditions"] if c["type"] == "Available"]
+    assert "GPU" not in available["message"].replace("no GPU requested", "")
+    assert "1 CPU and 2Gi memory free" in available["message"], available["message"]

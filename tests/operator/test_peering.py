@@ -10,8 +10,8 @@ import pytest
 from fake_kube import FakeKube
 
 from kvfleet_operator.config import OperatorConfig
-from kvfleet_operator.kube import ApiError
-from kvfleet_operator.peering import CHECK_SECONDS, Leadership, leads, new_identity
+from kvfleet_operator.kube import FIELD_MANAGER, ApiError
+from kvfleet_operator.peering import CHECK_SECONDS, Leadership, ensure_peering_object, leads, new_identity
 
 NOW = datetime(2026, 1, 1, tzinfo=UTC)
 FRESH, STALE = "2025-12-31T23:59:30+00:00", "2025-12-31T23:58:00+00:00"  # 30 s and 120 s before NOW
@@ -87,3 +87,20 @@ def test_a_standalone_operator_always_leads_without_asking() -> None:
 
 def test_identities_are_unique_per_process_start() -> None:
     assert new_identity() != new_identity() and new_identity().startswith("kvfleet-operator@")
+
+
+def test_the_operator_creates_its_peering_object_and_retries_until_the_crd_serves_it() -> None:
+    kube = FakeKube()
+    kube.fail["ClusterKopfPeering"] = ApiError(404, "NotFound", "the server could not find the requested resource")
+
+    async def scenario() -> None:
+        task = asyncio.create_task(ensure_peering_object(kube, "kvfleet", pauses=(0.0,)))
+        # Refused at least once: the CRD is not served yet.
+        while kube.writes.count(("apply", "ClusterKopfPeering", None, FIELD_MANAGER)) < 2:
+            await asyncio.sleep(0)
+        del kube.fail["ClusterKopfPeering"]
+        await asyncio.wait_for(task, 5)
+
+    asyncio.run(scenario())
+    body = kube.objects["ClusterKopfPeering", "", "kvfleet"]
+    assert body["apiVersion"] == "kopf.dev/v1" and not body["status"]  # the name alone: kopf writes the status

@@ -145,12 +145,14 @@ async def tick(namespace: str, name: str, uid: str, ctx: Context, *, clock: Call
     mem.state = d.state
     metrics.set_desired(namespace, name, d.limited_by, d.desired_replicas)
     metrics.AUTOSCALE_TICKS.labels(result="scaled" if d.desired_replicas != d.current_replicas else "kept").inc()
-    await _write_status(kube, cr, d, fleet, result.errors, demand, mem.window.quantile("ttft", 0.95), post_event)
+    p95 = (mem.window.quantile("ttft", 0.95), mem.window.quantile("itl", 0.95))  # the columns kubectl get shows
+    await _write_status(kube, cr, d, fleet, result.errors, demand, p95, post_event)
     return float(a.interval_seconds)
 
 
 async def _write_status(kube: KubeClient, cr: dict[str, Any], d: Decision, fleet: Fleet, errors: Mapping[str, str],
-                        routers: RouterDemand, ttft_p95: float | None, post_event: EventFn | None) -> None:
+                        routers: RouterDemand, p95: tuple[float | None, float | None],
+                        post_event: EventFn | None) -> None:
     meta, status = cr["metadata"], cr.get("status") or {}
     previous = [c for c in status.get("conditions") or [] if c.get("type") in AUTOSCALER_CONDITIONS]
     conds = conditions(d, fleet, errors, generation=int(meta.get("generation") or 0), now=now_rfc3339(),
@@ -161,8 +163,8 @@ async def _write_status(kube: KubeClient, cr: dict[str, Any], d: Decision, fleet
         blind = c["type"] == METRICS_AVAILABLE and c["reason"] in ("ScrapeFailed", "RouterScrapeFailed", "NoRouter")
         if (blocked or blind) and was.get(c["type"]) != c["status"]:
             _event(post_event, cr, "Warning", c["reason"], c["message"])
-    body = autoscaling_status(d, status.get("autoscaling"), ttft_p95).model_dump(mode="json", by_alias=True,
-                                                                                 exclude_none=True)
+    body = autoscaling_status(d, status.get("autoscaling"), *p95).model_dump(mode="json", by_alias=True,
+                                                                             exclude_none=True)
     await kube.apply({"apiVersion": API_VERSION, "kind": KIND,
                       "metadata": {"name": meta["name"], "namespace": meta["namespace"]},
                       "status": {"autoscaling": body, "conditions": conds}},

@@ -34,6 +34,7 @@ from kvfleet_operator.status import (
     ScalingDecision,
     ScalingProposal,
     condition,
+    human_seconds,
 )
 
 HISTORY = 10  # decisions that changed replicas kept in status, newest first
@@ -74,8 +75,9 @@ def decision_status(d: Decision) -> ScalingDecision:
 
 
 def autoscaling_status(d: Decision, previous: Mapping[str, Any] | None,
-                       ttft_p95: float | None) -> AutoscalingStatus:
-    """status.autoscaling after decision `d`; `previous` is the stored status.autoscaling (for the history)."""
+                       ttft_p95: float | None, itl_p95: float | None = None) -> AutoscalingStatus:
+    """status.autoscaling after decision `d`; `previous` is the stored status.autoscaling (for the history); the
+    window's TTFT and ITL p95 in seconds (None: nothing observed)."""
     last = decision_status(d)
     history = []
     for h in (previous or {}).get("history") or []:
@@ -86,7 +88,13 @@ def autoscaling_status(d: Decision, previous: Mapping[str, Any] | None,
     return AutoscalingStatus(
         last_decision=last, history=history[:HISTORY],
         expected_startup_seconds=None if d.expected_startup_seconds is None else round(d.expected_startup_seconds, 1),
-        last_ttft_p95_seconds=None if _finite(ttft_p95) is None else round(ttft_p95 or 0.0, 4))
+        last_ttft_p95_seconds=None if _finite(ttft_p95) is None else round(ttft_p95 or 0.0, 4),
+        ttft_p95=_human(ttft_p95), itl_p95=_human(itl_p95))
+
+
+def _human(seconds: float | None) -> str | None:
+    value = _finite(seconds)
+    return None if value is None else human_seconds(value)
 
 
 def _camel(limited_by: str) -> str:
