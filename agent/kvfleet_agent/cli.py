@@ -10,6 +10,8 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+from kvfleet_agent import cli_serve
+
 DEMO_DIR = os.path.join(os.path.expanduser("~"), ".cache", "kvfleet", "tiny-llama")
 DEMO_PROMPTS = [
     "The fleet of inference servers",
@@ -29,8 +31,12 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--block-size", type=int, default=16)
     g.add_argument("--kv-cache-memory-bytes", type=int, default=None, help="KV pool budget on CPU")
     g.add_argument("--gpu-memory-utilization", type=float, default=0.9)
-    g.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false")
-    g.add_argument("--no-chunked-prefill", dest="enable_chunked_prefill", action="store_false")
+    # vLLM's spellings (--[no-]enable-prefix-caching) beside kvfleet's first ones, which the operator still writes.
+    for feature in ("prefix-caching", "chunked-prefill"):
+        dest = "enable_" + feature.replace("-", "_")
+        g.add_argument(f"--enable-{feature}", dest=dest, action=argparse.BooleanOptionalAction, default=True,
+                       help="on by default")
+        g.add_argument(f"--no-{feature}", dest=dest, action="store_false", help=f"same as --no-enable-{feature}")
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--num-threads", type=int, default=None,
                    help="torch threads per rank (default: all cores, divided among the ranks on CPU)")
@@ -47,7 +53,7 @@ def _env_defaults(p: argparse.ArgumentParser) -> None:
         if action.dest == "help" or env not in os.environ:
             continue
         raw = os.environ[env]
-        if isinstance(action, argparse._StoreFalseAction | argparse._StoreTrueAction):
+        if isinstance(action, argparse._StoreFalseAction | argparse._StoreTrueAction | argparse.BooleanOptionalAction):
             truthy = raw.strip().lower() in ("1", "true", "yes", "on")
             # store_false flags are "--no-X": KVFLEET_ENABLE_X=false turns the feature off
             p.set_defaults(**{action.dest: truthy})
@@ -79,28 +85,6 @@ def _generate(model: str, prompts: list[str], a: argparse.Namespace) -> None:
         print(f"\n>>> {o.prompt}\n{o.outputs[0].text!r}  [{len(o.outputs[0].token_ids)} tokens, "
               f"{o.outputs[0].finish_reason}]")
     print(f"\n{len(outs)} requests, {tokens} tokens in {seconds:.2f} s: {tokens / seconds:.1f} tokens/s")
-
-
-def _serve(a: argparse.Namespace) -> int:
-    import asyncio
-
-    from kvfleet_agent.config import EngineConfig
-    from kvfleet_agent.server.connections import ConnectionLimits
-    from kvfleet_agent.server.lifecycle import ServeOptions, serve
-
-    for name, value, low in (("--max-queue-length", a.max_queue_length, 0), ("--drain-grace-period",
-                                                                             a.drain_grace_period, 0),
-                             ("--max-logprobs", a.max_logprobs, 0)):
-        if value < low:
-            raise ValueError(f"{name}={value} must be >= {low}")
-    model = a.model or os.environ["KVFLEET_MODEL"]
-    if a.api_key == "":
-        logging.getLogger("kvfleet_agent").warning("the API key is set but empty: the API is open to all")
-    limits = ConnectionLimits(a.max_connections, a.keep_alive_timeout, a.header_timeout, a.body_timeout)
-    opts = ServeOptions(a.served_model_name or os.path.basename(os.path.normpath(model)), a.host, a.port,
-                        None if a.grpc_port < 0 else a.grpc_port, a.max_queue_length, a.drain_grace_period,
-                        api_key=a.api_key or None, limits=limits, max_logprobs=a.max_logprobs)
-    return asyncio.run(serve(EngineConfig.from_kwargs(model, **_engine_options(a)), opts))
 
 
 def _train_tiny(a: argparse.Namespace) -> int:
@@ -178,30 +162,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     _engine_flags(offline_parser)
 
     serve = sub.add_parser("serve", help="serve a model over OpenAI-compatible HTTP and gRPC")
-    serve.add_argument("--model", required="KVFLEET_MODEL" not in os.environ, help="Hugging Face model directory")
-    serve.add_argument("--served-model-name", default=None, help="name clients use (default: the directory name)")
-    serve.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0 in a pod)")
-    serve.add_argument("--port", type=int, default=8000, help="HTTP port (0: any free port)")
-    serve.add_argument("--grpc-port", type=int, default=50051, help="gRPC port (0: any free port, -1: off)")
-    serve.add_argument("--max-queue-length", type=int, default=256,
-                       help="waiting requests beyond which new ones get 429 / RESOURCE_EXHAUSTED")
-    serve.add_argument("--drain-grace-period", type=float, default=30.0,
-                       help="seconds accepted requests may take to finish after SIGTERM")
-    serve.add_argument("--api-key", default=None,
-                       help="require 'Authorization: Bearer KEY' on /v1 routes and gRPC Generation calls "
-                            "(/health, /ready, /metrics stay open); prefer the KVFLEET_API_KEY environment "
-                            "variable, which process listings do not show")
-    serve.add_argument("--max-logprobs", type=int, default=20,
-                       help="the most alternatives per token a request may ask for (logprobs, top_logprobs), as vLLM")
-    conn = serve.add_argument_group("connections")
-    conn.add_argument("--max-connections", type=int, default=1024,
-                      help="open connections per front end (HTTP, gRPC); HTTP answers more with 503")
-    conn.add_argument("--keep-alive-timeout", type=float, default=75.0,
-                      help="seconds a connection may sit without a request before it is closed")
-    conn.add_argument("--header-timeout", type=float, default=20.0,
-                      help="seconds from a request's first byte to its complete head (slow clients are closed)")
-    conn.add_argument("--body-timeout", type=float, default=60.0,
-                      help="seconds for a request body to arrive whole (else 408)")
+    cli_serve.add_serve_arguments(serve)
     _engine_flags(serve)
     _env_defaults(serve)
 
@@ -218,7 +179,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         elif a.command == "generate":
             _generate(a.model, a.prompt, a)
         elif a.command == "serve":
-            return _serve(a)
+            return cli_serve.run_serve(a, _engine_options(a))
         elif a.command == "bench":
             return offline.main(a, _engine_options(a)) if a.action == "offline" else loadgen.main(a)
         else:

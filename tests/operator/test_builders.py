@@ -125,10 +125,10 @@ def test_pod_env_overrides_keep_their_place_and_value_from() -> None:
 
 
 def test_the_agent_reads_its_api_key_from_the_variable_the_pod_sets(monkeypatch: pytest.MonkeyPatch) -> None:
-    from kvfleet_agent import cli
+    from kvfleet_agent import cli, cli_serve
 
     seen: list[argparse.Namespace] = []
-    monkeypatch.setattr(cli, "_serve", lambda a: seen.append(a) or 0)
+    monkeypatch.setattr(cli_serve, "run_serve", lambda a, options: seen.append(a) or 0)
     monkeypatch.setenv("KVFLEET_API_KEY", "s3cret")
     env = _deployment(_api_key("k", "v"))["spec"]["template"]["spec"]["containers"][0]["env"]
     assert "KVFLEET_API_KEY" in {e["name"] for e in env}
@@ -160,10 +160,10 @@ def test_replicas_ownership_by_mode() -> None:
 
 
 def test_agent_args_are_parsed_by_the_real_agent_cli(monkeypatch: pytest.MonkeyPatch) -> None:
-    from kvfleet_agent import cli
+    from kvfleet_agent import cli, cli_serve
 
     seen: list[argparse.Namespace] = []
-    monkeypatch.setattr(cli, "_serve", lambda a: seen.append(a) or 0)
+    monkeypatch.setattr(cli_serve, "run_serve", lambda a, options: seen.append(a) or 0)
     spec = InferenceDeploymentSpec.model_validate(
         {**BASE, "runtime": {"maxModelLen": 4096, "maxNumBatchedTokens": 2048, "enablePrefixCaching": False,
                              "enableChunkedPrefill": False, "extraArgs": ["--seed", "5"]}})

@@ -40,6 +40,7 @@ class ServeOptions:
     api_key: str | None = None  # required as `Authorization: Bearer <key>` on /v1 and gRPC Generation
     limits: ConnectionLimits = field(default_factory=ConnectionLimits)
     max_logprobs: int = DEFAULT_MAX_LOGPROBS  # alternatives a request may ask for per token (vLLM's flag)
+    chat_template: str | None = None  # replaces the checkpoint's (--chat-template); needs a tokenizer
 
 
 _FD_RESERVE = 128  # descriptors kept for everything but client connections: files, pipes, gRPC, logs
@@ -74,6 +75,9 @@ async def serve(engine_config: EngineConfig, opts: ServeOptions) -> int:
     limits = _fit_file_limit(opts.limits)
     # Loading can take minutes for large models: keep the event loop responsive meanwhile.
     llm = await loop.run_in_executor(None, AsyncLLM, engine_config)
+    if opts.chat_template is not None and llm.tokenizer is not None:
+        # Before anything renders a chat: the tokenizer compiles its template on first use.
+        llm.tokenizer.chat_template = opts.chat_template
     admission = Admission(llm, opts.max_queue_length)
     metrics = AgentMetrics(llm, admission, opts.served_model_name)
     prompts = await loop.run_in_executor(None, PromptEncoder, llm)  # reads the whole vocabulary once
@@ -96,7 +100,7 @@ async def serve(engine_config: EngineConfig, opts: ServeOptions) -> int:
 
         grpc_server, grpc_port = await start_grpc_server(llm, admission, opts.served_model_name, opts.host,
                                                          opts.grpc_port, api_key=api_key, prompts=prompts,
-                                                         limits=limits)
+                                                         limits=limits, max_logprobs=opts.max_logprobs)
     pids = llm.worker_pids()
     if pids:  # machine-readable too: supervisors and tests can watch (or kill) the tensor-parallel ranks
         print(f"kvfleet-agent workers: {' '.join(map(str, pids))}", flush=True)

@@ -1,0 +1,124 @@
+"""`kvfleet-agent serve`: its flags (vLLM's spellings too, where the meaning matches) and the process it starts."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+
+import jinja2
+
+# vLLM flags whose meaning kvfleet shares only at one value: accepted at that value, refused by name otherwise.
+_TOKENIZER_WHY = ("kvfleet loads the tokenizer from the model directory only: copy tokenizer.json and "
+                  "tokenizer_config.json there, or leave --tokenizer out")
+_GENERATION_CONFIG_WHY = ("kvfleet does not take request defaults from generation_config.json yet (vLLM's "
+                          "--generation-config auto): requests default to temperature 1, top_p 1, no top_k and "
+                          "no penalties, which is --generation-config vllm, the only value accepted")
+
+
+def add_serve_arguments(serve: argparse.ArgumentParser) -> None:
+    """The serve subcommand's own flags (the engine's are added beside them by the caller)."""
+    serve.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
+                       help="Hugging Face model directory (vLLM's positional spelling of --model)")
+    serve.add_argument("--model", default=None, help="Hugging Face model directory (or the positional MODEL)")
+    serve.add_argument("--served-model-name", default=None, help="name clients use (default: the directory name)")
+    serve.add_argument("--tokenizer", default=None,
+                       help="as vLLM, but only the model directory itself is accepted (kvfleet reads no other)")
+    serve.add_argument("--chat-template", default=None,
+                       help="a jinja chat template replacing the checkpoint's: a file path, or the template itself "
+                            "(backslash escapes such as \\n decoded, as vLLM)")
+    serve.add_argument("--generation-config", default="vllm",
+                       help="'vllm' (the only value accepted): requests default to SamplingParams' defaults, not to "
+                            "the checkpoint's generation_config.json (vLLM's default is 'auto')")
+    serve.add_argument("--disable-log-requests", action="store_true",
+                       help="accepted for vLLM compatibility: kvfleet never logs individual requests")
+    serve.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0 in a pod)")
+    serve.add_argument("--port", type=int, default=8000, help="HTTP port (0: any free port)")
+    serve.add_argument("--grpc-port", type=int, default=50051, help="gRPC port (0: any free port, -1: off)")
+    serve.add_argument("--max-queue-length", type=int, default=256,
+                       help="waiting requests beyond which new ones get 429 / RESOURCE_EXHAUSTED")
+    serve.add_argument("--drain-grace-period", type=float, default=30.0,
+                       help="seconds accepted requests may take to finish after SIGTERM")
+    serve.add_argument("--api-key", default=None,
+                       help="require 'Authorization: Bearer KEY' on /v1 routes and gRPC Generation calls "
+                            "(/health, /ready, /metrics stay open); prefer the KVFLEET_API_KEY environment "
+                            "variable, which process listings do not show")
+    serve.add_argument("--max-logprobs", type=int, default=20,
+                       help="the most alternatives per token a request may ask for (logprobs, top_logprobs, "
+                            "prompt_logprobs), as vLLM")
+    conn = serve.add_argument_group("connections")
+    conn.add_argument("--max-connections", type=int, default=1024,
+                      help="open connections per front end (HTTP, gRPC); HTTP answers more with 503")
+    conn.add_argument("--keep-alive-timeout", type=float, default=75.0,
+                      help="seconds a connection may sit without a request before it is closed")
+    conn.add_argument("--header-timeout", type=float, default=20.0,
+                      help="seconds from a request's first byte to its complete head (slow clients are closed)")
+    conn.add_argument("--body-timeout", type=float, default=60.0,
+                      help="seconds for a request body to arrive whole (else 408)")
+
+
+def model_of(a: argparse.Namespace) -> str:
+    """The model directory, from the positional MODEL or --model (KVFLEET_MODEL sets --model's default)."""
+    if a.model_tag is not None and a.model is not None and a.model_tag != a.model:
+        raise ValueError(f"the model is given twice, as MODEL ({a.model_tag}) and --model ({a.model}): give one")
+    model = a.model_tag or a.model
+    if not model:
+        raise ValueError("the model is required: kvfleet-agent serve MODEL (or --model MODEL, or KVFLEET_MODEL)")
+    return str(model)
+
+
+def load_chat_template(value: str) -> str:
+    """--chat-template as vLLM reads it: a file's contents, else the value itself with backslash escapes decoded."""
+    try:
+        with open(value, encoding="utf-8") as f:
+            template = f.read()
+    except OSError as e:
+        # As vLLM: a value with none of a template's characters was meant as a path, so say that it failed.
+        if not any(c in value for c in "{}\n"):
+            raise ValueError(f"--chat-template {value!r} looks like a file path but cannot be read ({e.strerror}); "
+                             "give a readable file or the template itself") from None
+        # Characters past Latin-1 become \\uXXXX first, so that decoding the escapes gives them back unchanged.
+        template = value.encode("latin-1", "backslashreplace").decode("unicode_escape")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"--chat-template {value}: the file is not UTF-8 text ({e.reason})") from None
+    try:  # syntax only: rendering needs messages, and a template may refuse some on purpose
+        jinja2.Environment(extensions=["jinja2.ext.loopcontrols"]).parse(template)
+    except jinja2.TemplateSyntaxError as e:
+        raise ValueError(f"--chat-template has a jinja syntax error at line {e.lineno}: {e.message}") from None
+    return template
+
+
+def _check_vllm_only_values(a: argparse.Namespace, model: str) -> None:
+    if a.tokenizer is not None and os.path.realpath(a.tokenizer) != os.path.realpath(model):
+        raise ValueError(f"--tokenizer {a.tokenizer}: {_TOKENIZER_WHY}")
+    if a.generation_config != "vllm":
+        raise ValueError(f"--generation-config {a.generation_config}: {_GENERATION_CONFIG_WHY}")
+
+
+def run_serve(a: argparse.Namespace, engine_options: dict[str, object]) -> int:
+    """Check the flags, then serve until SIGTERM; returns the process's exit code."""
+    import asyncio
+
+    from kvfleet_agent.config import EngineConfig
+    from kvfleet_agent.server.connections import ConnectionLimits
+    from kvfleet_agent.server.lifecycle import ServeOptions, serve
+
+    for name, value, low in (("--max-queue-length", a.max_queue_length, 0),
+                             ("--drain-grace-period", a.drain_grace_period, 0), ("--max-logprobs", a.max_logprobs, 0)):
+        if value < low:
+            raise ValueError(f"{name}={value} must be >= {low}")
+    model = model_of(a)
+    _check_vllm_only_values(a, model)
+    chat_template = None
+    if a.chat_template is not None:
+        chat_template = load_chat_template(a.chat_template)
+        if not os.path.isfile(os.path.join(model, "tokenizer.json")):
+            raise ValueError(f"--chat-template needs a tokenizer, and {model} has no tokenizer.json")
+    if a.api_key == "":
+        logging.getLogger("kvfleet_agent").warning("the API key is set but empty: the API is open to all")
+    limits = ConnectionLimits(a.max_connections, a.keep_alive_timeout, a.header_timeout, a.body_timeout)
+    opts = ServeOptions(a.served_model_name or os.path.basename(os.path.normpath(model)), a.host, a.port,
+                        None if a.grpc_port < 0 else a.grpc_port, a.max_queue_length, a.drain_grace_period,
+                        api_key=a.api_key or None, limits=limits, max_logprobs=a.max_logprobs,
+                        chat_template=chat_template)
+    return asyncio.run(serve(EngineConfig.from_kwargs(model, **engine_options), opts))
