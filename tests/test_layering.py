@@ -19,7 +19,8 @@ PACKAGES = {"kvfleet_agent": ROOT / "agent", "kvfleet_kernels": ROOT / "kernels"
 # A prefix names a module or a whole folder; the longest matching prefix decides.
 FLOORS: dict[str, list[list[str]]] = {
     "kvfleet_agent": [
-        ["kvfleet_agent.config", "kvfleet_agent.sampling_params", "kvfleet_agent.outputs"],  # plain data
+        ["kvfleet_agent.config", "kvfleet_agent.sampling_params", "kvfleet_agent.outputs",
+         "kvfleet_agent.structured_outputs"],  # plain data
         ["kvfleet_agent.core"],  # requests, scheduler, KV bookkeeping: no torch
         ["kvfleet_agent.layers"],  # torch modules and their tensor-parallel group
         ["kvfleet_agent.models"],  # model definitions, loader, tokenizer
@@ -53,6 +54,7 @@ MAY_IMPORT = {"kvfleet_contract": set(), "kvfleet_kernels": set(),
               "kvfleet_agent": {"kvfleet_kernels", "kvfleet_contract"}, "kvfleet_operator": {"kvfleet_contract"},
               "kvfleet_router": {"kvfleet_contract"}}
 TORCH_FREE = ("kvfleet_agent.core", "kvfleet_agent.config", "kvfleet_agent.sampling_params",
+              "kvfleet_agent.structured_outputs",
               "kvfleet_agent.outputs", "kvfleet_contract", "kvfleet_operator", "kvfleet_router")
 
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from kvfleet_agent.structured_outputs import StructuredOutputs
+
 MAX_STOP_STRINGS = 16
 
 
@@ -36,9 +38,12 @@ class SamplingParams:
     min_p: float = 0.0  # drop tokens whose probability is below min_p times the top token's
     logit_bias: dict[int, float] = field(default_factory=dict)  # added to the logits by token id
     min_tokens: int = 0  # EOS and stop_token_ids are masked (and no stop applies) until this many tokens
+    structured_outputs: StructuredOutputs | None = None  # the output must match it (token masks from a grammar)
     # Whether any logits processing above is set: only then does the sampler leave its fast path, and
     # only then does the scheduler hand it the request's tokens. Computed once, read every step.
     processes_logits: bool = field(init=False, repr=False, compare=False, default=False)
+    # Whether the sampler reads the request's tokens each step (logits processing, or a grammar to follow).
+    needs_history: bool = field(init=False, repr=False, compare=False, default=False)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -51,6 +56,7 @@ class SamplingParams:
         self._check()
         self.processes_logits = bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
                                      or self.logit_bias or self.min_tokens)
+        self.needs_history = self.processes_logits or self.structured_outputs is not None
 
     def _check(self) -> None:
         def bad(name: str, value: object, rule: str) -> ValueError:
@@ -80,6 +86,8 @@ class SamplingParams:
                                                  not isinstance(self.prompt_logprobs, int) or self.prompt_logprobs < 0):
             raise bad("prompt_logprobs", self.prompt_logprobs, "use a non-negative integer or leave it unset")
         self._check_processing(bad)
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputs):
+            raise bad("structured_outputs", self.structured_outputs, "use a StructuredOutputs or None")
 
     def _check_processing(self, bad: Callable[[str, object, str], ValueError]) -> None:
         for name in ("presence_penalty", "frequency_penalty"):

@@ -148,8 +148,9 @@ def test_logit_bias_forces_a_token_and_min_tokens_holds_off_eos(client: openai.O
 
 @pytest.mark.parametrize(("extra", "param"), [
     ({"temprature": 0.5}, "temprature"),
-    ({"guided_json": {"type": "object"}}, "guided_json"),
-    ({"response_format": {"type": "json_object"}}, "response_format"),
+    ({"guided_decoding_backend": "xgrammar"}, "guided_decoding_backend"),
+    ({"guided_json": {"type": "nope"}}, "guided_json"),
+    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
     ({"logprobs": 21}, "logprobs"),
 ])
 def test_unknown_and_unimplemented_fields_are_refused_by_name(client: openai.OpenAI, extra: dict[str, Any],

@@ -129,7 +129,7 @@ class Scheduler:
             self.num_partial_prefills += 1
         sample = start + n == req.num_tokens
         history = TokenHistory(req.token_ids, req.num_prompt_tokens, req.eos_token_ids) \
-            if sample and req.sampling_params.processes_logits else None
+            if sample and req.sampling_params.needs_history else None
         prompt_ids = req.prompt_token_ids if req.sampling_params.prompt_logprobs is not None and \
             start < req.num_prompt_tokens - 1 else None
         return ScheduledChunk(req.request_id, req.token_ids[start:start + n], start,

@@ -30,7 +30,7 @@ class ScheduledChunk:
     block_table: list[int]
     sample: bool  # the chunk reaches the last known token, so the step yields a new token
     sampling_params: SamplingParams
-    history: TokenHistory | None = None  # only when it samples with penalties or min_tokens
+    history: TokenHistory | None = None  # only when it samples with logits processing or a grammar
     # With prompt_logprobs: the prompt's tokens, whose logprobs the positions of this chunk before
     # len(prompt_ids) - 1 yield (position q predicts token q + 1). None otherwise.
     prompt_ids: list[int] | None = None

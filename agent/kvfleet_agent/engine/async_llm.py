@@ -19,6 +19,7 @@ from kvfleet_agent.engine.stats import EngineObserver, EngineStats
 from kvfleet_agent.models.tokenizer import Tokenizer
 from kvfleet_agent.outputs import RequestOutput
 from kvfleet_agent.sampling_params import SamplingParams
+from kvfleet_agent.worker.grammar_compiler import GrammarCompiler
 
 log = logging.getLogger(__name__)
 
@@ -66,6 +67,11 @@ class AsyncLLM:
     def tokenizer(self) -> Tokenizer | None:
         """The model's tokenizer, or None when the checkpoint has no tokenizer.json."""
         return self.engine.tokenizer
+
+    @property
+    def grammars(self) -> GrammarCompiler | None:
+        """The structured-output grammar compiler (cached), or None without a tokenizer; call it off the loop."""
+        return self.engine.grammars
 
     @property
     def max_model_len(self) -> int:

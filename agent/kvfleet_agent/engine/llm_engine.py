@@ -19,6 +19,7 @@ from kvfleet_agent.outputs import CompletionOutput, Logprob, RequestOutput
 from kvfleet_agent.sampling_params import SamplingParams
 from kvfleet_agent.worker.device import rank_device
 from kvfleet_agent.worker.executor import Executor
+from kvfleet_agent.worker.grammar_compiler import GrammarCompiler
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +52,8 @@ class LLMEngine:
         self.eos_token_ids = frozenset(self.model_config.eos_token_ids) | frozenset(
             self.tokenizer.eos_token_ids if self.tokenizer else ())
         self.model_config.check_tensor_parallel(config.tensor_parallel_size, config.model)
+        self.grammars = GrammarCompiler(self.tokenizer.backend.to_str(), self.model_config.vocab_size,
+                                        sorted(self.eos_token_ids)) if self.tokenizer is not None else None
         config.resolve(rank_device(config, 0).type, self.max_model_len)
         self.executor = Executor(config, self.model_config, self.max_model_len)
         self.runner = self.executor.runner  # rank 0's
@@ -133,6 +136,12 @@ class LLMEngine:
         if len(ids) >= self.max_model_len:
             raise ValueError(f"prompt has {len(ids)} tokens; max_model_len is {self.max_model_len}, which must "
                              "leave room for at least one generated token: shorten the prompt")
+        spec = params.structured_outputs
+        if spec is not None and spec.compiled is None:  # the offline path; the server compiles off its loop first
+            if self.grammars is None:
+                raise ValueError(f"structured outputs need the tokenizer, and {self.config.model} has no "
+                                 "tokenizer.json")
+            self.grammars.compile(spec)
         req = Request(request_id, ids, params, self.eos_token_ids, prompt=text, max_model_len=self.max_model_len)
         if arrival_time is not None:
             req.arrival_time = arrival_time

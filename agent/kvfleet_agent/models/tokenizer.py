@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, NoReturn
 
 import jinja2
@@ -234,8 +234,13 @@ class Tokenizer:
         tid = self.backend.token_to_id(token)
         return None if tid is None else int(tid)
 
-    def apply_chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
-        """Render a conversation to prompt text with the model's chat template (or a plain fallback)."""
+    def apply_chat_template(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True,
+                            tools: list[dict[str, Any]] | None = None) -> str:
+        """Render a conversation to prompt text with the model's chat template (or a plain fallback).
+
+        tools (OpenAI's shape) reach the template as `tools`, as transformers passes them; messages may
+        carry tool_calls and tool_call_id for the templates that render tool turns.
+        """
         for i, message in enumerate(messages):
             if not isinstance(message, dict):
                 raise ValueError(
@@ -262,6 +267,7 @@ class Tokenizer:
                     add_generation_prompt=add_generation_prompt,
                     bos_token=self.bos_token or "",
                     eos_token=self.eos_token or "",
+                    **({"tools": tools} if tools else {}),
                 )
             )
         except jinja2.TemplateError as e:

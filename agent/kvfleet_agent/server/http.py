@@ -27,6 +27,7 @@ from kvfleet_agent.server.openapi import openapi_document
 from kvfleet_agent.server.prompts import PromptEncoder
 from kvfleet_agent.server.protocol import APIError
 from kvfleet_agent.server.small_routes import SmallRoutes
+from kvfleet_agent.server.tool_calls import family_of, whole_choice
 
 log = logging.getLogger(__name__)
 
@@ -140,7 +141,10 @@ class HTTPFrontend:
         # work on requests it will refuse, and again after, with no wait before generate(): exact.
         self._admit(samples)
         if chat:
-            req.prompts = [await self.prompts.render_chat(messages or [])]
+            req.prompts = [await self.prompts.render_chat(messages or [], tools=req.tools)]
+        if req.tool_plan is not None:
+            req.tool_plan.family = family_of(self.llm.tokenizer.chat_template if self.llm.tokenizer else None)
+        await self._compile(req)
         prompt_ids = await self.prompts.encode(req.prompts, req.prompt_field)
         if req.max_tokens_field is not None:
             for ids in prompt_ids:
@@ -164,6 +168,20 @@ class HTTPFrontend:
             self.in_flight -= 1
             if self.in_flight == 0:
                 self.idle.set()
+
+    async def _compile(self, req: protocol.GenerateRequest) -> None:
+        """The request's grammar compiled (or found in the cache) on a worker thread: never the loop or the engine."""
+        spec, name = req.params.structured_outputs, req.structured_field or "structured_outputs"
+        if spec is None:
+            return
+        if self.llm.grammars is None:
+            raise APIError(f"'{name}' needs the model's tokenizer.json, which this model lacks: remove it", name)
+        try:
+            await asyncio.to_thread(self.llm.grammars.compile, spec)
+        except ValueError as e:
+            what = "the tool's parameters schema" if name == "tool_choice" else "it"
+            raise APIError(f"'{name}' cannot be enforced: {e}. Fix {what} (llguidance's JSON schema, regex and Lark "
+                           "support) or remove it", name) from None
 
     def _admit(self, n: int) -> None:
         refusal = self.admission.check(n)
@@ -197,6 +215,8 @@ class HTTPFrontend:
 
     def _choice(self, i: int, out: RequestOutput, req: protocol.GenerateRequest, decode: Decode) -> dict[str, Any]:
         piece = protocol.choice(i, out, req.chat, decode, with_logprobs=req.logprobs_asked)
+        if req.tool_plan is not None:
+            piece = whole_choice(piece, req.tool_plan)
         return echoed(out, self.prompt_text(req, i // req.n, out), piece, decode) if req.echo else piece
 
     def prompt_text(self, req: protocol.GenerateRequest, p: int, out: RequestOutput) -> str:

@@ -42,7 +42,8 @@ class PromptEncoder:
                            f"context (max_model_len={self.max_model_len} tokens of at most {self.chars_per_token} "
                            "characters each): shorten it", name)
 
-    async def render_chat(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
+    async def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                          tools: list[dict[str, Any]] | None = None) -> str:
         """The conversation as prompt text, through the model's chat template, off the event loop."""
         tokenizer = self.tokenizer
         if tokenizer is None:
@@ -50,7 +51,7 @@ class PromptEncoder:
                            "with prompt token ids", "messages")
         self.check_chars(sum(len(m["content"]) for m in messages), "messages")
         try:
-            text = await self._off_loop(tokenizer.apply_chat_template, messages, add_generation_prompt)
+            text = await self._off_loop(tokenizer.apply_chat_template, messages, add_generation_prompt, tools)
         except ValueError as e:  # the template refused the conversation (raise_exception) or failed to render
             raise APIError(str(e), "messages") from None
         self.check_chars(len(text), "messages")

@@ -24,6 +24,8 @@ from kvfleet_agent.server.api.common import (
 from kvfleet_agent.server.api.inputs import check_text, messages_of, prompts_of, shown
 from kvfleet_agent.server.api.render import choice, envelope, new_id, usage
 from kvfleet_agent.server.api.requests import ChatCompletionRequest, CompletionRequest
+from kvfleet_agent.server.api.structured import structured_of
+from kvfleet_agent.server.api.tools import ToolPlan, tools_of
 
 __all__ = ["MAX_STOP_TOKEN_IDS", "APIError", "GenerateRequest", "check_text", "choice", "envelope", "new_id",
            "parse", "usage"]
@@ -47,6 +49,9 @@ class GenerateRequest:
     echo: bool = False  # completions: the prompt (and with logprobs, its logprobs) leads each choice
     prompt_only: bool = False  # max_tokens 0 with echo: run for one token (the engine needs one), return none
     continuous_usage: bool = False  # streamed: usage so far in every chunk (vLLM's continuous_usage_stats)
+    structured_field: str | None = None  # the field that constrained the output (params.structured_outputs)
+    tools: list[dict[str, Any]] | None = None  # for the chat template
+    tool_plan: ToolPlan | None = None  # how the output becomes tool calls
 
     @property
     def prompt_field(self) -> str:
@@ -62,7 +67,7 @@ class GenerateRequest:
 
 def parse(body: Any, served_model: str, chat: bool, max_model_len: int, max_prompts: int | None = None, *,
           max_logprobs: int = DEFAULT_MAX_LOGPROBS, vocab_size: int | None = None
-          ) -> tuple[GenerateRequest, list[dict[str, str]] | None]:
+          ) -> tuple[GenerateRequest, list[dict[str, Any]] | None]:
     """Validate a /v1/completions or /v1/chat/completions body; returns the request and chat messages.
 
     max_tokens defaults to 16 for completions (as OpenAI) and, for chat, to the rest of the context.
@@ -78,6 +83,10 @@ def parse(body: Any, served_model: str, chat: bool, max_model_len: int, max_prom
         raise APIError(f"The model {shown(model)} does not exist; this server serves '{served_model}'", "model",
                        status=404, code="model_not_found")
     fields = refuse_unsupported(body)
+    for name in ("tools", "tool_choice", "parallel_tool_calls") if not chat else ():
+        if name in fields:
+            raise APIError(f"'{name}': tool calling needs chat messages, so it applies to /v1/chat/completions "
+                           "only: use that endpoint, or remove it", name)
     messages = None
     r: Any
     if chat:
@@ -105,9 +114,30 @@ def parse(body: Any, served_model: str, chat: bool, max_model_len: int, max_prom
     wants_usage = r.stream_options.include_usage if r.stream_options is not None else None
     include_usage = bool(wants_usage) if stream else True
     continuous = stream and r.stream_options is not None and bool(r.stream_options.continuous_usage_stats)
+    structured, structured_field = structured_of(r)
+    tools, plan, forced = tools_of(r) if chat else (None, None, None)
+    if forced is not None:
+        if structured is not None:
+            raise APIError(f"'tool_choice' {r.tool_choice if isinstance(r.tool_choice, str) else 'naming a tool'} "
+                           f"forces a tool call, which cannot also follow '{structured_field}': drop one of them",
+                           structured_field)
+        structured, structured_field = forced, "tool_choice"
+    if structured is not None:
+        if echo:
+            raise APIError(f"'echo' cannot be used with '{structured_field}': the prompt does not follow it", "echo")
+        # Both fight the grammar: past a complete value only EOS is allowed, so ignore_eos would leave no token to
+        # sample, and min_tokens can forbid the only tokens the grammar still allows.
+        if params.ignore_eos:
+            raise APIError(f"'ignore_eos' cannot be used with '{structured_field}': the output ends where the "
+                           "grammar does; drop ignore_eos", "ignore_eos")
+        if params.min_tokens:
+            raise APIError(f"'min_tokens' cannot be used with '{structured_field}': the grammar decides the "
+                           "length; drop min_tokens", "min_tokens")
+        params = replace(params, structured_outputs=structured)
     return GenerateRequest(prompts, params, stream, include_usage, chat, max_tokens_field=max_tokens_field,
                            n=n, best_of=best_of, logprobs_asked=asked, echo=echo,
-                           prompt_only=echo and r.max_tokens == 0, continuous_usage=continuous), messages
+                           prompt_only=echo and r.max_tokens == 0, continuous_usage=continuous,
+                           structured_field=structured_field, tools=tools, tool_plan=plan), messages
 
 
 def _sampling(r: Any, chat: bool, max_model_len: int, max_logprobs: int, vocab_size: int | None, echo: bool

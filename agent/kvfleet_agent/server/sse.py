@@ -17,6 +17,7 @@ from kvfleet_agent.server import protocol
 from kvfleet_agent.server.api.render import echoed, prompt_only
 from kvfleet_agent.server.fanout import OutputStream
 from kvfleet_agent.server.protocol import APIError
+from kvfleet_agent.server.tool_calls import ToolDeltas
 
 log = logging.getLogger(__name__)
 Echo = Callable[[int, RequestOutput], str]  # choice index, its output → the prompt text echo puts in front
@@ -62,8 +63,16 @@ async def _pump(resp: web.StreamResponse, rid: str, req: protocol.GenerateReques
     echo_due = [echo is not None] * count
     latest: dict[int, RequestOutput] = {}  # for continuous usage: each stream's newest output
     base = [0] * count
+    tools = [ToolDeltas(req.tool_plan) for _ in range(count)] if req.tool_plan is not None else None
     while item is not None:
         i, out = item
+        if tools is not None:  # chat with tools: content and tool_calls deltas instead of the text's
+            await _tool_chunks(resp, rid, req, model, i, out, tools[i], not sent_role[i])
+            sent_role[i] = True
+            if out.finished:
+                finals[i] = out
+            item = await anext(merged, None)
+            continue
         if req.prompt_only:
             out = prompt_only(out)
         c = out.outputs[0]
@@ -83,6 +92,22 @@ async def _pump(resp: web.StreamResponse, rid: str, req: protocol.GenerateReques
         if out.finished:
             finals[i] = out
         item = await anext(merged, None)
+
+
+async def _tool_chunks(resp: web.StreamResponse, rid: str, req: protocol.GenerateRequest, model: str, i: int,
+                       out: RequestOutput, tools: ToolDeltas, first: bool) -> None:
+    c = out.outputs[0]
+    deltas = tools.feed(c.text, out.finished)
+    if first:  # the role goes with the first delta, as OpenAI's
+        deltas = [{"role": "assistant", **(deltas[0] if deltas else {})}, *deltas[1:]]
+    if out.finished and not deltas:
+        deltas = [{}]
+    finish = c.finish_reason if out.finished else None
+    if finish == "stop" and tools.calls:
+        finish = "tool_calls"
+    for k, d in enumerate(deltas):
+        piece = {"index": i, "delta": d, "logprobs": None, "finish_reason": finish if k == len(deltas) - 1 else None}
+        await send(resp, protocol.envelope(rid, model, req.chat, [piece], True, created=req.created))
 
 
 def _usage_so_far(latest: dict[int, RequestOutput], per: int) -> dict[str, int]:

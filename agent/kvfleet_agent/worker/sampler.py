@@ -10,6 +10,7 @@ import torch
 from kvfleet_agent.core.scheduler_output import TokenHistory
 from kvfleet_agent.outputs import Logprob
 from kvfleet_agent.sampling_params import SamplingParams
+from kvfleet_agent.worker.grammar_masks import GrammarMasks
 from kvfleet_agent.worker.logits_processing import process_logits
 
 
@@ -21,23 +22,30 @@ class Sampler:
         self.default = torch.Generator(device=device)
         self.default.manual_seed(seed)
         self.generators: dict[str, torch.Generator] = {}
+        self.grammars = GrammarMasks()
 
     def forget(self, request_ids: Iterable[str]) -> None:
         """Drop the per-request state of finished requests."""
         for rid in request_ids:
             self.generators.pop(rid, None)
+        self.grammars.forget(request_ids)
 
     def sample(self, logits: torch.Tensor, request_ids: Sequence[str], params: Sequence[SamplingParams],
                histories: Sequence[TokenHistory | None] | None = None) -> tuple[list[int], list[Logprob | None]]:
         """One token per row of logits [N, V], and logprobs for the rows that asked for them.
 
         histories: each row's tokens so far, needed by the rows whose params process logits (penalties,
-        min_tokens). Rows without any processing take the same path as before it existed.
+        min_tokens) or follow a grammar. Rows without either take the same path as before they existed.
         """
         logits = raw = logits.float()
         processed = [i for i, p in enumerate(params) if p.processes_logits]
+        hist = histories or [None] * len(params)
         if processed:  # the slow path, on the processed rows only; logprobs stay those of the model
-            logits = process_logits(logits.clone(), processed, params, histories or [None] * len(params))
+            logits = process_logits(logits.clone(), processed, params, hist)
+        constrained = [i for i, p in enumerate(params) if p.structured_outputs is not None]
+        if constrained:  # masked after processing (as vLLM), on the constrained rows only
+            logits = self.grammars.apply(logits.clone() if logits is raw else logits, constrained, request_ids,
+                                         params, hist)
         tokens = logits.argmax(dim=-1)
         random_rows = [i for i, p in enumerate(params) if not p.greedy]
         if random_rows:

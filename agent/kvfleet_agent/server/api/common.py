@@ -74,15 +74,12 @@ class SamplingFields(Strict):
 
 # Fields vLLM's or OpenAI's servers accept that kvfleet does not implement (yet): accepted only at a value
 # that changes nothing, refused by name otherwise. Anything else unknown is refused by the models.
-_STRUCTURED = "structured outputs are not implemented yet: remove it (and parse the output yourself)"
-_TOOLS = "tool calling is not implemented yet: remove it"
 REFUSED: dict[str, tuple[tuple[Any, ...], str]] = {
-    "response_format": (({"type": "text"},), _STRUCTURED),
-    "structured_outputs": ((), _STRUCTURED), "guided_json": ((), _STRUCTURED), "guided_regex": ((), _STRUCTURED),
-    "guided_choice": ((), _STRUCTURED), "guided_grammar": ((), _STRUCTURED),
-    "guided_decoding_backend": ((), _STRUCTURED), "guided_whitespace_pattern": ((), _STRUCTURED),
-    "tools": (([],), _TOOLS), "tool_choice": (("none",), _TOOLS), "functions": (([],), _TOOLS),
-    "function_call": (("none",), _TOOLS), "parallel_tool_calls": ((True, False), _TOOLS),
+    "guided_decoding_backend": (("auto", "guidance", "llguidance"),
+                                "the grammar backend is always llguidance: remove guided_decoding_backend"),
+    "guided_whitespace_pattern": ((), "guided_whitespace_pattern is not supported: JSON is compact"),
+    "functions": (([],), "the deprecated 'functions' is not supported: use 'tools'"),
+    "function_call": (("none",), "the deprecated 'function_call' is not supported: use 'tool_choice'"),
     "suffix": (("",), "suffix (insertion) is not supported: remove it"),
     "use_beam_search": ((False,), "beam search is not supported: use n or best_of"),
     "length_penalty": ((1, 1.0), "length_penalty only applies to beam search, which is not supported"),

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import json
 from typing import Any
 
 from kvfleet_agent.server.api.common import APIError
@@ -61,8 +63,13 @@ def _token_ids(items: list[Any], name: str, max_model_len: int) -> list[int]:
     return items
 
 
-def messages_of(messages: Any) -> list[dict[str, str]]:
-    """Chat messages as {role, content} with text content (text parts joined)."""
+def messages_of(messages: Any) -> list[dict[str, Any]]:
+    """Chat messages as {role, content} with text content (text parts joined), and the tool-calling keys.
+
+    An assistant message may carry tool_calls (content then may be null); a tool message its
+    tool_call_id. Arguments that are JSON text are handed to the template as objects, as vLLM does:
+    templates write them with tojson.
+    """
     if not isinstance(messages, list) or not messages:
         raise APIError("'messages' must be a non-empty list of {role, content} objects", "messages")
     out = []
@@ -76,10 +83,38 @@ def messages_of(messages: Any) -> list[dict[str, str]]:
                 raise APIError(f"'messages[{i}].content' may only hold text parts ({{\"type\": \"text\", "
                                "\"text\": \"...\"}})", f"messages[{i}].content")
             content = "".join(p["text"] for p in content)
+        if content is None and m.get("tool_calls"):
+            content = ""
         if not isinstance(content, str):
             raise APIError(f"'messages[{i}].content' must be a string", f"messages[{i}].content")
-        out.append({"role": check_text(m["role"], f"messages[{i}].role"),
-                    "content": check_text(content, f"messages[{i}].content")})
+        msg: dict[str, Any] = {"role": check_text(m["role"], f"messages[{i}].role"),
+                               "content": check_text(content, f"messages[{i}].content")}
+        for key in ("name", "tool_call_id"):
+            if key in m and m[key] is not None:
+                if not isinstance(m[key], str):
+                    raise APIError(f"'messages[{i}].{key}' must be a string", f"messages[{i}].{key}")
+                msg[key] = check_text(m[key], f"messages[{i}].{key}")
+        if m.get("tool_calls"):
+            msg["tool_calls"] = _tool_calls(m["tool_calls"], f"messages[{i}].tool_calls")
+        out.append(msg)
+    return out
+
+
+def _tool_calls(calls: Any, name: str) -> list[dict[str, Any]]:
+    if not isinstance(calls, list):
+        raise APIError(f"'{name}' must be a list of tool calls", name)
+    out = []
+    for j, c in enumerate(calls):
+        fn = c.get("function") if isinstance(c, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or \
+                not isinstance(fn.get("arguments", ""), str | dict):
+            raise APIError(f"'{name}[{j}]' must be {{id, type: function, function: {{name, arguments}}}}",
+                           f"{name}[{j}]")
+        args = fn.get("arguments", "{}")
+        if isinstance(args, str):
+            with contextlib.suppress(ValueError):  # not JSON: left as text, the template writes it as it is
+                args = json.loads(args)
+        out.append({"id": c.get("id"), "type": "function", "function": {"name": fn["name"], "arguments": args}})
     return out
 
 

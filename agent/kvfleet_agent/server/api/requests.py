@@ -7,6 +7,8 @@ from typing import Annotated, Any
 from pydantic import Field, WithJsonSchema
 
 from kvfleet_agent.server.api.common import MAX_N, SamplingFields, Strict
+from kvfleet_agent.server.api.structured import StructuredFields
+from kvfleet_agent.server.api.tools import ToolFields
 
 # The prompt and the messages are checked by hand after validation (prompts.py-style bounds: sizes before
 # contents, lone surrogates, token-id ranges); the models only carry their documented shape.
@@ -17,14 +19,15 @@ Prompt = Annotated[Any, WithJsonSchema({
               {"type": "array", "items": _TOKEN_IDS, "minItems": 1}],
     "description": "text or token ids, or a list of either (one choice per prompt, times n)"})]
 Messages = Annotated[Any, WithJsonSchema({
-    "type": "array", "minItems": 1, "items": {"type": "object", "required": ["role", "content"], "properties": {
-        "role": {"type": "string"}, "name": {"type": "string"},
-        "content": {"oneOf": [{"type": "string"}, {"type": "array", "items": {
+    "type": "array", "minItems": 1, "items": {"type": "object", "required": ["role"], "properties": {
+        "role": {"type": "string"}, "name": {"type": "string"}, "tool_call_id": {"type": "string"},
+        "tool_calls": {"type": "array", "items": {"type": "object"}},
+        "content": {"oneOf": [{"type": "string"}, {"type": "null"}, {"type": "array", "items": {
             "type": "object", "required": ["type", "text"], "properties": {
                 "type": {"const": "text"}, "text": {"type": "string"}}}}]}}}})]
 
 
-class CompletionRequest(SamplingFields):
+class CompletionRequest(SamplingFields, StructuredFields):
     """POST /v1/completions."""
 
     prompt: Prompt
@@ -35,7 +38,7 @@ class CompletionRequest(SamplingFields):
                                 description="samples drawn; the n most likely (by cumulative logprob) return")
 
 
-class ChatCompletionRequest(SamplingFields):
+class ChatCompletionRequest(SamplingFields, StructuredFields, ToolFields):
     """POST /v1/chat/completions."""
 
     messages: Messages
