@@ -181,11 +181,16 @@ async def router_deployment_changed(body: kopf.Body, type: str | None, memo: kop
         logger.warning(f"reconcile of InferenceRouter {ns}/{owner['name']} after a Deployment {type} failed: {e}")
 
 
-@kopf.on.delete(GROUP, VERSION, ROUTER_PLURAL, optional=True)
-async def router_deleted(namespace: str | None, name: str | None, uid: str | None, memo: kopf.Memo,
-                         logger: kopf.Logger, **_: Any) -> None:
-    """Forget the router and delete its grants in other namespaces (garbage collection takes the rest). Optional:
-    no finalizer; a deletion missed while the operator was down is swept by the resync."""
+@kopf.on.event(GROUP, VERSION, ROUTER_PLURAL)
+async def router_deleted(type: str | None, namespace: str | None, name: str | None, uid: str | None,
+                         memo: kopf.Memo, logger: kopf.Logger, **_: Any) -> None:
+    """Forget the router and delete its grants in other namespaces (garbage collection takes the rest).
+
+    On the watch's DELETED event, not an optional on.delete handler: without a finalizer the object is gone before
+    kopf would run one, so kopf may skip it; every watch event reaches an event handler. A deletion missed while
+    the operator was down is swept by the resync."""
+    if type != "DELETED":
+        return
     state, ns = OperatorState.of(memo), namespace or "default"
     if uid is not None:
         state.forget_router(ns, name or "", uid)

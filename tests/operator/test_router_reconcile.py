@@ -205,7 +205,10 @@ def test_the_router_deletion_handler_forgets_and_releases() -> None:
     reconcile(kube)
     OperatorState.of(m).track_router("ns", "r", "u1", ("team-a",))
     del kube.objects["InferenceRouter", "ns", "r"]
-    asyncio.run(handlers.router_deleted(namespace="ns", name="r", uid="u1", memo=m, logger=logging.getLogger("t")))
+    log = logging.getLogger("t")
+    asyncio.run(handlers.router_deleted(type="MODIFIED", namespace="ns", name="r", uid="u1", memo=m, logger=log))
+    assert OperatorState.of(m).routers  # any other event leaves it alone
+    asyncio.run(handlers.router_deleted(type="DELETED", namespace="ns", name="r", uid="u1", memo=m, logger=log))
     assert not OperatorState.of(m).routers and where(kube, "Role") == where(kube, "RoleBinding") == []
 
 
