@@ -8,6 +8,8 @@ import os
 
 import jinja2
 
+from kvfleet_contract.metrics import METRICS_COMPAT_ENV, METRICS_COMPAT_VIEWS
+
 # vLLM flags whose meaning kvfleet shares only at one value: accepted at that value, refused by name otherwise.
 _TOKENIZER_WHY = ("kvfleet loads the tokenizer from the model directory only: copy tokenizer.json and "
                   "tokenizer_config.json there, or leave --tokenizer out")
@@ -46,6 +48,9 @@ def add_serve_arguments(serve: argparse.ArgumentParser) -> None:
     serve.add_argument("--max-logprobs", type=int, default=20,
                        help="the most alternatives per token a request may ask for (logprobs, top_logprobs, "
                             "prompt_logprobs), as vLLM")
+    serve.add_argument("--metrics-compat", default="kvfleet", metavar="{kvfleet,vllm}",
+                       help="the families /metrics serves: kvfleet's only, or vllm: vLLM's vllm:* families (named "
+                            "and labelled as vLLM's) beside them (default from KVFLEET_METRICS_COMPAT)")
     conn = serve.add_argument_group("connections")
     conn.add_argument("--max-connections", type=int, default=1024,
                       help="open connections per front end (HTTP, gRPC); HTTP answers more with 503")
@@ -88,6 +93,17 @@ def load_chat_template(value: str) -> str:
     return template
 
 
+def metrics_compat_of(a: argparse.Namespace) -> str:
+    """--metrics-compat, checked before the model loads (an empty KVFLEET_METRICS_COMPAT means kvfleet)."""
+    value = a.metrics_compat or "kvfleet"
+    if value not in METRICS_COMPAT_VIEWS:
+        # Named both ways: the value may have come from the environment (a pod spec) rather than the command line.
+        raise ValueError(f"--metrics-compat {value!r} (or {METRICS_COMPAT_ENV}) must be one of "
+                         f"{', '.join(METRICS_COMPAT_VIEWS)}: kvfleet serves kvfleet's families only, vllm adds "
+                         "vLLM's vllm:* families")
+    return str(value)
+
+
 def _check_vllm_only_values(a: argparse.Namespace, model: str) -> None:
     if a.tokenizer is not None and os.path.realpath(a.tokenizer) != os.path.realpath(model):
         raise ValueError(f"--tokenizer {a.tokenizer}: {_TOKENIZER_WHY}")
@@ -109,6 +125,7 @@ def run_serve(a: argparse.Namespace, engine_options: dict[str, object]) -> int:
             raise ValueError(f"{name}={value} must be >= {low}")
     model = model_of(a)
     _check_vllm_only_values(a, model)
+    metrics_compat = metrics_compat_of(a)
     chat_template = None
     if a.chat_template is not None:
         chat_template = load_chat_template(a.chat_template)
@@ -120,5 +137,5 @@ def run_serve(a: argparse.Namespace, engine_options: dict[str, object]) -> int:
     opts = ServeOptions(a.served_model_name or os.path.basename(os.path.normpath(model)), a.host, a.port,
                         None if a.grpc_port < 0 else a.grpc_port, a.max_queue_length, a.drain_grace_period,
                         api_key=a.api_key or None, limits=limits, max_logprobs=a.max_logprobs,
-                        chat_template=chat_template)
+                        chat_template=chat_template, metrics_compat=metrics_compat)
     return asyncio.run(serve(EngineConfig.from_kwargs(model, **engine_options), opts))

@@ -56,6 +56,9 @@ DEPLOYMENT_LABEL: Final = "inference_deployment"
 # The opt-in vLLM view (KVFLEET_METRICS_COMPAT=vllm on the agent): vLLM's own family names, labels and bucket
 # bounds, so its published dashboards, llm-d's endpoint-picker flags and KEDA recipes read kvfleet unmodified.
 METRICS_COMPAT_ENV: Final = "KVFLEET_METRICS_COMPAT"
+# The values of the agent's --metrics-compat flag (default: METRICS_COMPAT_ENV, then kvfleet): kvfleet's families
+# only, or vLLM's beside them.
+METRICS_COMPAT_VIEWS: Final = ("kvfleet", "vllm")
 VLLM_MODEL_LABEL: Final = "model_name"
 VLLM_ENGINE_LABEL: Final = "engine"  # vLLM's data-parallel engine index; one engine per agent: always "0"
 VLLM_TTFT_BUCKETS: Final = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
@@ -65,3 +68,14 @@ VLLM_ITL_BUCKETS: Final = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0
 # Shared by vLLM's per-request time histograms: e2e, queue, inference, prefill, decode.
 VLLM_REQUEST_BUCKETS: Final = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
                                120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+
+# Start-up: one gauge sample per phase that ran, in seconds, labelled PHASE_LABEL (besides MODEL_LABEL). Phases in
+# the order they run; first_ready spans the whole start (process start to /ready answering 200), so it is at
+# least the sum of the others (the rest: imports, tokenizer, binding the ports). A phase that does not run on this
+# replica (graph_capture on CPU, with --enforce-eager or tensor parallelism) has no sample rather than a 0.
+# vLLM exports no start-up families (it only logs its phases), so the vLLM view has no counterpart.
+STARTUP_PHASE_SECONDS: Final = "kvfleet_startup_phase_seconds"
+PHASE_LABEL: Final = "phase"
+FIRST_READY_PHASE: Final = "first_ready"
+STARTUP_PHASES: Final = ("weights_read", "weights_to_device", "kv_profile", "warmup", "graph_capture",
+                         FIRST_READY_PHASE)

@@ -24,6 +24,10 @@ ARGS_FILE_DIR, ARGS_FILE_KEY = "/etc/kvfleet", "extra-args"
 # fromfile_prefix_chars), keeping the pod spec readable; a pod spec itself would take far more.
 ARGS_INLINE_LIMIT = 4096
 GPU_RESOURCE = "nvidia.com/gpu"
+# spec.runtime.compileCache is mounted here; each compiler gets its own directory under it (they create them).
+COMPILE_CACHE_DIR = "/var/cache/kvfleet"
+COMPILE_CACHE_ENV = {"TRITON_CACHE_DIR": f"{COMPILE_CACHE_DIR}/triton",
+                     "TORCHINDUCTOR_CACHE_DIR": f"{COMPILE_CACHE_DIR}/inductor"}
 STARTUP_PERIOD_SECONDS, STARTUP_FAILURES = 10, 360  # model loads may take up to an hour before /health answers
 # The NetworkPolicy admits pods of the InferenceDeployment's namespace that carry this label (routers, gateways,
 # clients), and the operator's own pods (manifests/base/operator/deployment.yaml) in the operator's namespace.
@@ -80,7 +84,7 @@ def agent_args(spec: InferenceDeploymentSpec, *, args_file: bool = False) -> lis
             "--max-num-seqs", str(rt.max_num_seqs), "--block-size", str(rt.block_size),
             "--gpu-memory-utilization", str(rt.gpu_memory_utilization),
             "--max-queue-length", str(rt.max_queue_length),
-            "--drain-grace-period", str(rt.drain_grace_period_seconds)]
+            "--drain-grace-period", str(rt.drain_grace_period_seconds), "--metrics-compat", rt.metrics_compat]
     if rt.max_model_len is not None:
         args += ["--max-model-len", str(rt.max_model_len)]
     if rt.max_num_batched_tokens is not None:
@@ -108,6 +112,14 @@ def _model_volume(spec: InferenceDeploymentSpec) -> tuple[list[dict[str, Any]], 
     return [], []  # baked into the image
 
 
+def _compile_cache_volume(spec: InferenceDeploymentSpec) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    cache = spec.runtime.compile_cache
+    if cache is None:
+        return [], []
+    mount = {"name": "compile-cache", "mountPath": COMPILE_CACHE_DIR} | ({"subPath": cache.path} if cache.path else {})
+    return [{"name": "compile-cache", "persistentVolumeClaim": {"claimName": cache.claim_name}}], [mount]
+
+
 def _resources(spec: InferenceDeploymentSpec) -> dict[str, Any]:
     out: dict[str, dict[str, Any]] = {}
     for kind, lst in (("requests", spec.resources.requests), ("limits", spec.resources.limits)):
@@ -125,6 +137,8 @@ def _env(spec: InferenceDeploymentSpec) -> list[dict[str, Any]]:
     if (ref := spec.auth.api_key_secret_ref) is not None:
         # A reference only: the kubelet reads the Secret, never the operator, and the key stays out of the pod spec.
         env[API_KEY_ENV] = {"name": API_KEY_ENV, "valueFrom": {"secretKeyRef": {"name": ref.name, "key": ref.key}}}
+    if spec.runtime.compile_cache is not None:
+        env.update({k: {"name": k, "value": v} for k, v in COMPILE_CACHE_ENV.items()})
     env.update({e.name: e.manifest() for e in spec.pod.env})  # a user entry for the same name wins (in place)
     return list(env.values())
 
@@ -136,7 +150,7 @@ def _probe(path: str, period: int, failures: int, timeout: int) -> dict[str, Any
 
 def _container(spec: InferenceDeploymentSpec, image: str, args_file: bool) -> dict[str, Any]:
     _, mounts = _model_volume(spec)
-    mounts = [{"name": "tmp", "mountPath": "/tmp"}, *mounts]
+    mounts = [{"name": "tmp", "mountPath": "/tmp"}, *mounts, *_compile_cache_volume(spec)[1]]
     if spec.runtime.tensor_parallel_size > 1:
         mounts.append({"name": "dshm", "mountPath": "/dev/shm"})  # TP workers exchange tensors through shared memory
     if args_file:
@@ -167,7 +181,7 @@ def pod_template(cr: InferenceDeployment, default_image: str) -> dict[str, Any]:
     spec, name = cr.spec, cr.metadata.name
     args_file = _uses_args_file(spec)
     model_volumes, _ = _model_volume(spec)
-    volumes = [{"name": "tmp", "emptyDir": {}}, *model_volumes]
+    volumes = [{"name": "tmp", "emptyDir": {}}, *model_volumes, *_compile_cache_volume(spec)[0]]
     if spec.runtime.tensor_parallel_size > 1:
         volumes.append({"name": "dshm", "emptyDir": {"medium": "Memory"}})
     if args_file:

@@ -21,6 +21,7 @@ from kvfleet_operator.rules import (
     BLOCK_SIZE_RULE,
     BLOCK_SIZES,
     BUILTIN_TARGET_RULE,
+    COMPILE_CACHE_PATH_RULE,
     ENV_API_KEY_RULE,
     EXTRA_ARGS_API_KEY_RULE,
     EXTRA_ARGS_RULE,
@@ -147,6 +148,23 @@ class ModelSpec(SpecModel):
         return v
 
 
+class CompileCacheSpec(SpecModel):
+    """A PersistentVolumeClaim where the agents keep the kernels they compile (Triton, TorchInductor), so that a
+    restarted or added replica reuses them instead of compiling again during warm-up."""
+
+    model_config = ConfigDict(json_schema_extra=cel(COMPILE_CACHE_PATH_RULE))
+    claim_name: str = Field(min_length=1, max_length=253)
+    """Name of the PersistentVolumeClaim in the same namespace, mounted read-write (ReadWriteMany lets replicas on
+    different nodes share it; the compilers write each entry to a temporary name and rename it into place)."""
+    path: str = Field(default="", max_length=4096)
+    """Sub-path of the cache directory inside the claim ("" for its root)."""
+
+    @model_validator(mode="after")
+    def _sub_path(self) -> CompileCacheSpec:
+        check(not self.path.startswith("/") and _clean_path(self.path), COMPILE_CACHE_PATH_RULE)
+        return self
+
+
 class RuntimeSpec(SpecModel):
     """Engine settings, rendered as kvfleet-agent serve flags."""
 
@@ -172,6 +190,14 @@ class RuntimeSpec(SpecModel):
     """Waiting requests beyond which new ones get HTTP 429 / gRPC RESOURCE_EXHAUSTED."""
     drain_grace_period_seconds: int = Field(default=30, ge=0, le=3600)
     """Seconds accepted requests may take to finish after SIGTERM (the pod's grace period adds 15 s)."""
+    metrics_compat: Literal["kvfleet", "vllm"] = "kvfleet"
+    """The families the agents' /metrics serves: kvfleet's, or vllm: vLLM's vllm:* families (labelled model_name)
+    beside them, for vLLM's dashboards and recipes (--metrics-compat; it overrides KVFLEET_METRICS_COMPAT in
+    pod.env)."""
+    compile_cache: CompileCacheSpec | None = None
+    """Where compiled kernels persist across pod restarts (TRITON_CACHE_DIR and TORCHINDUCTOR_CACHE_DIR point
+    under it; default: none, each pod compiles anew). CUDA graphs are captured at every start: they cannot be
+    stored."""
     extra_args: list[Annotated[str, Field(max_length=1024)]] = Field(
         default_factory=list, max_length=64, json_schema_extra=cel(EXTRA_ARGS_RULE, EXTRA_ARGS_API_KEY_RULE))
     """Extra kvfleet-agent serve arguments, appended last (an escape hatch: later flags win; not --api-key, which

@@ -46,6 +46,9 @@ SOURCE_RULE = Rule("(has(self.pvc) ? 1 : 0) + (has(self.hostPath) ? 1 : 0) + (ha
 SUBPATH_RULE = Rule("!self.path.startsWith('/') && !('/' + self.path + '/').contains('/../')",
                     "spec.model.source.pvc.path is a sub-path inside the claim: make it relative (no leading '/') "
                     "and without '..'", ".path")
+COMPILE_CACHE_PATH_RULE = Rule("!self.path.startsWith('/') && !('/' + self.path + '/').contains('/../')",
+                               "spec.runtime.compileCache.path is a sub-path inside the claim: make it relative (no "
+                               "leading '/') and without '..', or leave it out to use the claim's root", ".path")
 IMAGE_PATH_RULE = Rule("self.path.startsWith('/') && !(self.path + '/').contains('/../')",
                        "spec.model.source.image.path must be an absolute path without '..' inside the agent image, "
                        "e.g. /opt/models/tiny", ".path")

@@ -90,7 +90,15 @@ class AutoscalingStatus(_Status):
     history: list[ScalingDecision] = Field(default_factory=list, max_length=10)
     """Recent decisions that changed replicas, newest first."""
     expected_startup_seconds: float | None = None
-    """Learned time from pod creation to ready."""
+    """Learned start-up time in seconds, for machines: the median, over the last startupSamples agent pods this
+    operator saw go from created to Ready, of that time (scheduling, image pull, model load and warm-up). A pod
+    still starting after twice this stops counting as capacity on the way (unless spec.autoscaling
+    .startupGraceSeconds is set). Where an agent's own start goes: its kvfleet_startup_phase_seconds gauges."""
+    expected_startup: str | None = Field(default=None, max_length=16)
+    """expectedStartupSeconds with its unit (e.g. 84.0s), for kubectl describe."""
+    startup_samples: int | None = Field(default=None, ge=0)
+    """Pod start-ups the learned time is the median of (at most 10, the newest; after an operator restart the
+    stored expectedStartupSeconds counts as one)."""
     last_ttft_p95_seconds: float | None = None
     """ttftP95 in seconds, for machines."""
     ttft_p95: str | None = Field(default=None, max_length=16)

@@ -37,13 +37,13 @@ class AgentProcess:
 
 
 def start_agent(model_dir: str, *flags: str, timeout: float = 120.0, env: dict[str, str] | None = None,
-                positional: bool = False) -> AgentProcess:
+                positional: bool = False, log_level: str = "WARNING") -> AgentProcess:
     """Launch the agent with port 0 (any free port) and wait for its ready line; env adds variables.
 
     positional: name the model as vLLM does (`serve MODEL`) rather than with --model.
     """
     model = [model_dir] if positional else ["--model", model_dir]
-    cmd = [sys.executable, "-m", "kvfleet_agent.cli", "--log-level", "WARNING", "serve", *model,
+    cmd = [sys.executable, "-m", "kvfleet_agent.cli", "--log-level", log_level, "serve", *model,
            "--host", "127.0.0.1", "--port", "0", "--grpc-port", "0", *flags]
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVFLEET_")} | (env or {})
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)

@@ -174,6 +174,8 @@ def test_scale_up_cold_start_partial_metrics_and_scale_down_after_the_window() -
             agent.load(waiting=2, running=2)
         await h.tick()
         assert h.replicas == 3 and h.status["autoscaling"]["expectedStartupSeconds"] == 24.0
+        # kubectl describe prints it with its unit, and how many start-ups it is learned from (both pods).
+        assert (h.status["autoscaling"]["expectedStartup"], h.status["autoscaling"]["startupSamples"]) == ("24.0s", 2)
         assert 0 < h.status["autoscaling"]["lastTtftP95Seconds"] <= 0.05
 
         # Two agents unreachable, and the one that answers is idle: never scale down on partial data, say so.

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any
 
@@ -98,3 +99,11 @@ def test_conditions(limited_by: str, active: str, limited: str) -> None:
     assert (metrics["status"], metrics["reason"]) == ("False", "ScrapeFailed")
     assert "1/2 ready pods reported" in metrics["message"] and "b: timeout after 2s" in metrics["message"]
     assert all(c["observedGeneration"] == 3 for c in out.values())
+
+
+def test_the_learned_startup_carries_its_unit_and_sample_count() -> None:
+    d = dataclasses.replace(decision(expected=83.96), state=AutoscalerState(startup_durations=(80.0, 83.96, 90.0)))
+    out = autoscaling_status(d, None, None).model_dump(mode="json", by_alias=True, exclude_none=True)
+    assert (out["expectedStartupSeconds"], out["expectedStartup"], out["startupSamples"]) == (84.0, "84.0s", 3)
+    nothing = autoscaling_status(decision(expected=None), None, None).model_dump(by_alias=True, exclude_none=True)
+    assert not {"expectedStartupSeconds", "expectedStartup", "startupSamples"} & set(nothing)  # none learned yet

@@ -9,6 +9,8 @@ from __future__ import annotations
 import argparse
 import difflib
 import os
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +18,7 @@ import pytest
 import yaml
 
 from kvfleet_operator.builders import (
+    COMPILE_CACHE_DIR,
     CONFIG_HASH_ANNOTATION,
     agent_args,
     deployment,
@@ -70,6 +73,8 @@ def test_golden_inputs_cover_every_source_and_override() -> None:
                for k, v in e.value_from.model_dump(exclude_none=True).items() if v}
     assert sources == {"secret_key_ref", "config_map_key_ref", "field_ref", "resource_field_ref"}
     assert any(s.network_policy.from_ for s in specs)
+    assert any(s.runtime.compile_cache for s in specs) and {s.runtime.metrics_compat for s in specs} == {"kvfleet",
+                                                                                                           "vllm"}
 
 
 def _deployment(spec: dict[str, Any], replicas: int = 1) -> dict[str, Any]:
@@ -176,6 +181,7 @@ def test_agent_args_are_parsed_by_the_real_agent_cli(monkeypatch: pytest.MonkeyP
     assert ns.enable_prefix_caching is False and ns.enable_chunked_prefill is False
     assert ns.dtype == "auto" and ns.block_size == 16 and ns.gpu_memory_utilization == 0.9
     assert (ns.max_queue_length, ns.drain_grace_period, ns.tensor_parallel_size) == (256, 30.0, 1)
+    assert ns.metrics_compat == "kvfleet"
 
 
 def test_selector_string_matches_the_deployment_selector() -> None:
@@ -183,3 +189,30 @@ def test_selector_string_matches_the_deployment_selector() -> None:
     labels = d["spec"]["selector"]["matchLabels"]
     assert selector_string("x") == ",".join(f"{k}={v}" for k, v in labels.items())
     assert labels.items() <= d["spec"]["template"]["metadata"]["labels"].items()
+
+
+def test_a_compile_cache_claim_is_where_triton_and_inductor_keep_their_kernels() -> None:
+    d = _deployment({**BASE, "runtime": {"compileCache": {"claimName": "kernels", "path": "team-a"}}})
+    pod = d["spec"]["template"]["spec"]
+    agent = pod["containers"][0]
+    assert {"name": "compile-cache", "persistentVolumeClaim": {"claimName": "kernels"}} in pod["volumes"]
+    mount = next(m for m in agent["volumeMounts"] if m["name"] == "compile-cache")
+    assert mount == {"name": "compile-cache", "mountPath": COMPILE_CACHE_DIR, "subPath": "team-a"}  # read-write
+    env = {e["name"]: e["value"] for e in agent["env"] if "value" in e}
+    # The libraries themselves, in a fresh process with the pod's variables, resolve their caches there.
+    probe = ("from triton import knobs; from torch._inductor.runtime.cache_dir_utils import cache_dir; "
+             "print(knobs.cache.dir); print(cache_dir())")
+    out = subprocess.run([sys.executable, "-c", probe], env={**os.environ, **env}, capture_output=True, text=True,
+                         check=True).stdout.split()
+    assert out == [f"{COMPILE_CACHE_DIR}/triton", f"{COMPILE_CACHE_DIR}/inductor"]
+    without = _deployment(BASE)["spec"]["template"]["spec"]
+    assert not any(v["name"] == "compile-cache" for v in without["volumes"])
+    assert not {"TRITON_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR"} & {e["name"] for e in without["containers"][0]["env"]}
+    assert _hash(d) != _hash(_deployment(BASE))  # adding (or moving) the cache rolls the pods
+
+
+def test_metrics_compat_reaches_the_agent_as_its_flag() -> None:
+    for value in ("kvfleet", "vllm"):
+        args = _deployment({**BASE, "runtime": {"metricsCompat": value}})["spec"]["template"]["spec"][
+            "containers"][0]["args"]
+        assert args[args.index("--metrics-compat") + 1] == value

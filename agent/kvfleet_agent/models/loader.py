@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import glob
 import os
+from dataclasses import dataclass
 
 import torch
 from safetensors import safe_open
@@ -43,11 +44,20 @@ def _shards_of(model: nn.Module, param_name: str) -> set[str | None]:
     return set(names) if names else {None}
 
 
-def load_weights(model: nn.Module, model_dir: str) -> int:
+@dataclass
+class LoadReport:
+    """What a load read: bytes (in the model's dtype), and seconds spent reading rather than copying into place."""
+
+    bytes_read: int = 0
+    read_seconds: float = 0.0
+
+
+def load_weights(model: nn.Module, model_dir: str, report: LoadReport | None = None) -> int:
     """Copy every checkpoint tensor into its parameter through that parameter's weight_loader.
 
     Returns the bytes read from the checkpoint (in the model's dtype): about 1/N of the model on
     each of N tensor-parallel ranks, plus the small replicated tensors (norms, row-parallel biases).
+    `report`, if given, gets the bytes and the seconds spent reading the files.
     """
     params = dict(model.named_parameters())
     expected = {name: _shards_of(model, name) for name in params}
@@ -68,6 +78,9 @@ def load_weights(model: nn.Module, model_dir: str) -> int:
                 with torch.no_grad():
                     param.weight_loader(param, loaded, shard)  # type: ignore[attr-defined]
                 bytes_read += loaded.bytes_read
+                if report is not None:
+                    report.bytes_read += loaded.bytes_read
+                    report.read_seconds += loaded.read_seconds
                 seen[name].add(shard)
     missing = [f"{n} ({', '.join(sorted(str(s) for s in expected[n] - seen[n]))})" if expected[n] != {None} else n
                for n in params if expected[n] - seen[n]]

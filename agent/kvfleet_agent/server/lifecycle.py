@@ -23,6 +23,8 @@ from kvfleet_agent.server.connections import MAX_LINGERING, ConnectionGate, Conn
 from kvfleet_agent.server.http import HTTPFrontend
 from kvfleet_agent.server.metrics import AgentMetrics
 from kvfleet_agent.server.prompts import PromptEncoder
+from kvfleet_agent.worker.startup_phases import process_age_s
+from kvfleet_contract import metrics as contract
 
 log = logging.getLogger("kvfleet_agent.server")
 
@@ -41,6 +43,7 @@ class ServeOptions:
     limits: ConnectionLimits = field(default_factory=ConnectionLimits)
     max_logprobs: int = DEFAULT_MAX_LOGPROBS  # alternatives a request may ask for per token (vLLM's flag)
     chat_template: str | None = None  # replaces the checkpoint's (--chat-template); needs a tokenizer
+    metrics_compat: str | None = None  # --metrics-compat: kvfleet or vllm; None reads KVFLEET_METRICS_COMPAT
 
 
 _FD_RESERVE = 128  # descriptors kept for everything but client connections: files, pipes, gRPC, logs
@@ -79,7 +82,8 @@ async def serve(engine_config: EngineConfig, opts: ServeOptions) -> int:
         # Before anything renders a chat: the tokenizer compiles its template on first use.
         llm.tokenizer.chat_template = opts.chat_template
     admission = Admission(llm, opts.max_queue_length)
-    metrics = AgentMetrics(llm, admission, opts.served_model_name)
+    startup = llm.engine.runner.startup  # rank 0's phases, recorded by the runner and the executor as they ran
+    metrics = AgentMetrics(llm, admission, opts.served_model_name, compat=opts.metrics_compat, startup=startup)
     prompts = await loop.run_in_executor(None, PromptEncoder, llm)  # reads the whole vocabulary once
     # The listener is ours rather than a TCPSite: this gate between it and aiohttp caps connections.
     gate = ConnectionGate(limits.max_connections, limits.header_timeout_s)
@@ -106,6 +110,9 @@ async def serve(engine_config: EngineConfig, opts: ServeOptions) -> int:
         print(f"kvfleet-agent workers: {' '.join(map(str, pids))}", flush=True)
     if api_key is not None:
         log.info("an API key is required on /v1 routes and gRPC Generation calls")
+    # From here /ready answers 200: both front ends listen and the engine is loaded, warmed up and alive.
+    startup.record(contract.FIRST_READY_PHASE, process_age_s())
+    log.info("%s", startup.summary(contract.FIRST_READY_PHASE))
     # One machine-readable line: tests and supervisors learn the real ports (0 means "any free one").
     print(f"kvfleet-agent ready: http://{opts.host}:{http_port} grpc={grpc_port} model={opts.served_model_name}",
           flush=True)

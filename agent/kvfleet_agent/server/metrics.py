@@ -13,9 +13,10 @@ from kvfleet_agent.core.request import Request
 from kvfleet_agent.engine.async_llm import AsyncLLM
 from kvfleet_agent.server.admission import Admission
 from kvfleet_agent.server.vllm_metrics import VllmView
+from kvfleet_agent.worker.startup_phases import StartupPhases
 from kvfleet_contract import metrics as contract
 
-COMPAT_VIEWS = ("", "vllm")  # KVFLEET_METRICS_COMPAT: unset or empty, kvfleet's families only; vllm, vLLM's too
+COMPAT_VIEWS = contract.METRICS_COMPAT_VIEWS  # kvfleet: kvfleet's families only (also "", unset); vllm: vLLM's too
 
 
 class ExpositionRegistry(CollectorRegistry):
@@ -37,12 +38,14 @@ class AgentMetrics(Collector):
     is the one place that counts. Histograms are observed on the engine thread via EngineObserver.
     """
 
-    def __init__(self, llm: AsyncLLM, admission: Admission, model: str, compat: str | None = None) -> None:
-        """compat: the extra view (see COMPAT_VIEWS); None reads KVFLEET_METRICS_COMPAT from the environment."""
-        self.llm, self.admission, self.model = llm, admission, model
-        compat = os.environ.get(contract.METRICS_COMPAT_ENV, "") if compat is None else compat
+    def __init__(self, llm: AsyncLLM, admission: Admission, model: str, compat: str | None = None,
+                 startup: StartupPhases | None = None) -> None:
+        """compat: the view (see COMPAT_VIEWS); None reads KVFLEET_METRICS_COMPAT from the environment.
+        startup: the start-up phases to export (kvfleet_startup_phase_seconds), read at each scrape."""
+        self.llm, self.admission, self.model, self.startup = llm, admission, model, startup
+        compat = (os.environ.get(contract.METRICS_COMPAT_ENV, "") if compat is None else compat) or "kvfleet"
         if compat not in COMPAT_VIEWS:
-            raise ValueError(f"{contract.METRICS_COMPAT_ENV}={compat!r}: expected one of {COMPAT_VIEWS[1:]} or unset")
+            raise ValueError(f"{contract.METRICS_COMPAT_ENV}={compat!r}: expected one of {COMPAT_VIEWS} or unset")
         self.registry = ExpositionRegistry(auto_describe=True)
         labels = [contract.MODEL_LABEL]
 
@@ -111,6 +114,13 @@ class AgentMetrics(Collector):
         for reason, n in self.admission.rejected.items():
             outcomes.add_metric([self.model, f"rejected_{reason}"], n)
         yield outcomes
+        if self.startup is not None:
+            phases = GaugeMetricFamily(contract.STARTUP_PHASE_SECONDS,
+                                       "Seconds each start-up phase took (first_ready: process start to ready).",
+                                       labels=[contract.MODEL_LABEL, contract.PHASE_LABEL])
+            for phase, seconds in list(self.startup.seconds.items()):  # a copy: first_ready may land meanwhile
+                phases.add_metric([self.model, phase], seconds)
+            yield phases
 
     def exposition(self) -> bytes:
         """The text format served at /metrics."""

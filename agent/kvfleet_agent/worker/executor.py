@@ -167,12 +167,15 @@ class Executor:
 
     def kv_budget_bytes(self) -> int:
         """The smallest KV budget of any rank: every rank must hold the same number of blocks."""
-        return min([self.runner.kv_budget_bytes(), *(int(b) for b in self._call("kv_budget_bytes"))])
+        # Sizing the pool is the first part of the kv_profile phase; allocating (zero-filling) it, the last.
+        with self.runner.startup.phase("kv_profile", last=False):
+            return min([self.runner.kv_budget_bytes(), *(int(b) for b in self._call("kv_budget_bytes"))])
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
         """Allocate num_blocks blocks (decided by rank 0) on every rank."""
-        self.runner.allocate_kv_cache(num_blocks)
-        self._call("allocate_kv_cache", num_blocks)
+        with self.runner.startup.phase("kv_profile"):
+            self.runner.allocate_kv_cache(num_blocks)
+            self._call("allocate_kv_cache", num_blocks)
 
     def rank_stats(self) -> list[dict[str, Any]]:
         """Every rank's report (rank_stats), rank 0 first."""
@@ -180,8 +183,9 @@ class Executor:
 
     def warmup(self) -> None:
         """The warm-up steps, on every rank."""
-        for step in warmup_steps(self.runner.block_size):
-            self.execute(step)
+        with self.runner.startup.phase("warmup"):
+            for step in warmup_steps(self.runner.block_size):
+                self.execute(step)
 
     def execute(self, out: SchedulerOutput) -> StepResult:
         """One step on every rank: plan its batch, send it to the workers, run it here; rank 0 samples.

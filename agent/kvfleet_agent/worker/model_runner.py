@@ -15,12 +15,13 @@ from kvfleet_agent.layers.attention import AttentionMetadata, DecodeGroup, Paged
 from kvfleet_agent.layers.tp_group import TPGroup
 from kvfleet_agent.models.config import ModelConfig
 from kvfleet_agent.models.llama import LlamaForCausalLM
-from kvfleet_agent.models.loader import load_weights
+from kvfleet_agent.models.loader import LoadReport, load_weights
 from kvfleet_agent.sampling_params import SamplingParams
 from kvfleet_agent.worker.cuda_graphs import DecodeGraphRunner
 from kvfleet_agent.worker.device import rank_device, resolve_dtype, to_device
 from kvfleet_agent.worker.kv_budget import cpu_kv_budget, kv_budget_from_profile
 from kvfleet_agent.worker.sampler import PromptLogprobs, Sampler, StepResult, prompt_logprobs
+from kvfleet_agent.worker.startup_phases import StartupPhases
 from kvfleet_agent.worker.step_batch import StepBatch, plan_batch, profile_batch, warmup_steps
 from kvfleet_kernels import dispatch
 from kvfleet_kernels.plan import decode_plan
@@ -46,14 +47,22 @@ class ModelRunner:
         self.dtype = resolve_dtype(config, model_cfg, self.device)
         self.block_size = config.block_size
         self.max_model_len = max_model_len
+        self.startup = StartupPhases(f"rank {self.tp.rank}" if self.tp.size > 1 else "")
+        start, report = time.perf_counter(), LoadReport()
         with torch.device(self.device):
             self.model = LlamaForCausalLM(model_cfg, max_model_len, self.dtype, self.tp).to(self.dtype)
-        self.loaded_bytes = load_weights(self.model, config.model)
+        self.loaded_bytes = load_weights(self.model, config.model, report)
         self.model.eval()
         for module in self.model.modules():  # CPU: oneDNN-prepacked GEMM weights (a no-op elsewhere)
             pack_weights = getattr(module, "pack_weights", None)
             if callable(pack_weights):
                 pack_weights()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)  # the last host-to-device copies may still be in flight
+        # Reading and placing interleave tensor by tensor: the reads are timed one by one (CheckpointTensor), and
+        # everything else (allocating the parameters, copying into them, prepacking) is placing them on the device.
+        self.startup.record("weights_read", report.read_seconds)
+        self.startup.record("weights_to_device", time.perf_counter() - start - report.read_seconds)
         self.attn_layers = [m for m in self.model.modules() if isinstance(m, PagedAttention)]
         self.sampler = Sampler(config.seed, self.device)
         self.num_blocks = 0
@@ -163,18 +172,29 @@ class ModelRunner:
         """
         return self.device.type == "cuda" and not self.config.enforce_eager and self.tp.size == 1
 
+    def _no_graphs_reason(self) -> str:
+        """Why wants_graphs() is False, in words for the start-up log."""
+        if self.device.type != "cuda":
+            return f"decode runs eagerly on {self.device.type}: CUDA graphs need a GPU"
+        if self.config.enforce_eager:
+            return "--enforce-eager"
+        return "tensor parallelism decodes eagerly"
+
     def capture_decode_graphs(self) -> None:
         """Capture the decode graphs, if wanted: after the pool is allocated (they read it) and warmed up."""
         if not self.wants_graphs():
+            self.startup.skip("graph_capture", self._no_graphs_reason())
             return
         probe = self.attn_layers[0].k_cache
         if dispatch.backend(probe) != "triton":  # the reference syncs the host in places: not capturable
             log.warning("CUDA graphs need the Triton kernels (%s=0 or dtype %s): decoding eagerly",
                         dispatch.FORCE_ENV, probe.dtype)
+            self.startup.skip("graph_capture", f"no Triton kernels for dtype {probe.dtype}")
             return
         start = time.perf_counter()
         free_before = torch.cuda.mem_get_info(self.device)[0]
-        self.decode_graphs.capture()
+        with self.startup.phase("graph_capture"):
+            self.decode_graphs.capture()
         log.info("captured CUDA graphs for decode batch sizes %s in %.1f s (%.0f MiB)", self.decode_graphs.sizes,
                  time.perf_counter() - start, (free_before - torch.cuda.mem_get_info(self.device)[0]) / 2**20)
 

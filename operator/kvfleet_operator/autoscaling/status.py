@@ -85,9 +85,11 @@ def autoscaling_status(d: Decision, previous: Mapping[str, Any] | None,
             history.append(ScalingDecision.model_validate(h))
     if d.desired_replicas != d.current_replicas:
         history.insert(0, last)
+    expected = None if d.expected_startup_seconds is None else round(d.expected_startup_seconds, 1)
     return AutoscalingStatus(
-        last_decision=last, history=history[:HISTORY],
-        expected_startup_seconds=None if d.expected_startup_seconds is None else round(d.expected_startup_seconds, 1),
+        last_decision=last, history=history[:HISTORY], expected_startup_seconds=expected,
+        expected_startup=None if expected is None else f"{expected:.1f}s",
+        startup_samples=len(d.state.startup_durations) if expected is not None else None,
         last_ttft_p95_seconds=None if _finite(ttft_p95) is None else round(ttft_p95 or 0.0, 4),
         ttft_p95=_human(ttft_p95), itl_p95=_human(itl_p95))
 
