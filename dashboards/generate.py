@@ -1,4 +1,5 @@
-"""Writes the Grafana dashboards of dashboards/*.json from the panel lists below: `python dashboards/generate.py`."""
+"""Writes the Grafana dashboards of dashboards/*.json from the panel lists below, and the Helm chart's copies of them
+and of alerts/kvfleet-rules.yaml (Helm reads only files inside the chart): `python dashboards/generate.py`."""
 
 from __future__ import annotations
 
@@ -147,18 +148,29 @@ def render(doc: dict[str, Any]) -> str:
     return json.dumps(doc, indent=2) + "\n"
 
 
-def main(argv: list[str]) -> int:
-    """Write every dashboard next to this file; with --check, only report the ones that differ (exit 1)."""
-    here, stale = Path(__file__).resolve().parent, []
+def outputs(root: Path) -> dict[Path, str]:
+    """Every file this script owns, by path under the repository root, with the text it must hold."""
+    chart = root / "charts" / "kvfleet" / "files"
+    out = {}
     for name, doc in DASHBOARDS.items():
-        path = here / name
+        out[root / "dashboards" / name] = out[chart / "dashboards" / name] = render(doc)
+    # The alerts are written by hand; the chart carries a copy (templates/monitoring.yaml renders it).
+    out[chart / "kvfleet-rules.yaml"] = (root / "alerts" / "kvfleet-rules.yaml").read_text()
+    return out
+
+
+def main(argv: list[str]) -> int:
+    """Write every dashboard and chart copy; with --check, only report the ones that differ (exit 1)."""
+    root, stale = Path(__file__).resolve().parent.parent, []
+    for path, text in outputs(root).items():
         if "--check" in argv:
-            if not path.exists() or path.read_text() != render(doc):
-                stale.append(name)
+            if not path.exists() or path.read_text() != text:
+                stale.append(path.relative_to(root))
         else:
-            path.write_text(render(doc))
-    for name in stale:
-        print(f"dashboards/{name} differs from generate.py: run python dashboards/generate.py", file=sys.stderr)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(text)
+    for rel in stale:
+        print(f"{rel} differs from generate.py's output: run python dashboards/generate.py", file=sys.stderr)
     return 1 if stale else 0
 
 

@@ -1,4 +1,4 @@
-"""Local Kubernetes control plane (etcd, apiserver, controller-manager, scheduler, kwok) with fake GPU nodes."""
+"""Local Kubernetes control plane (etcd, apiserver, controller-manager, scheduler, kwok) with fake GPU and CPU nodes."""
 
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ import netns
 import pod_network
 from components import BUILD_SH, KUBERNETES_SERVICE_IP, find_bin_dir
 from errors import ApiError, ClusterError
-from gpu_nodes import GPU_LABEL, GPU_RESOURCE, GPU_TAINT, GPU_TOLERATION, NODE_PREFIX
+from gpu_nodes import CPU_NODE_PREFIX, GPU_LABEL, GPU_RESOURCE, GPU_TAINT, GPU_TOLERATION, NODE_PREFIX
 from pki import _Pki, make_cluster_certs, write_kubeconfig
 from procs import (
     Proc,
@@ -41,8 +41,9 @@ from procs import (
 )
 
 # Also re-exported from the helper modules, for test_cluster.py and other users of `from cluster import ...`.
-__all__ = ["BUILD_SH", "CONTEXT", "DEFAULT_RUN_DIR", "GPU_LABEL", "GPU_RESOURCE", "GPU_TAINT", "GPU_TOLERATION",
-           "NODE_PREFIX", "ApiError", "ClusterError", "LocalCluster", "find_bin_dir", "main", "stop_run_dir"]
+__all__ = ["BUILD_SH", "CONTEXT", "CPU_NODE_PREFIX", "DEFAULT_RUN_DIR", "GPU_LABEL", "GPU_RESOURCE", "GPU_TAINT",
+           "GPU_TOLERATION", "NODE_PREFIX", "ApiError", "ClusterError", "LocalCluster", "find_bin_dir", "main",
+           "stop_run_dir"]
 
 DEFAULT_RUN_DIR = Path(tempfile.gettempdir()) / "kvfleet-cluster"
 CONTEXT = "kvfleet-e2e"
@@ -69,11 +70,13 @@ class LocalCluster:
         keep: bool = False,
         timeout: float = 120.0,
         gpus_per_node: int = 8,
+        cpu_nodes: int = 1,
     ) -> None:
         self._own_dir = run_dir is None
         self.run_dir = Path(run_dir) if run_dir is not None else Path(tempfile.mkdtemp(prefix="kvfleet-cluster-"))
         self.gpu_nodes = gpu_nodes
         self.gpus_per_node = gpus_per_node
+        self.cpu_nodes = cpu_nodes
         self.keep = keep
         self.timeout = timeout
         self._bin_dir = Path(bin_dir) if bin_dir is not None else None
@@ -127,6 +130,11 @@ class LocalCluster:
     def node_names(self) -> list[str]:
         """Names of the fake GPU nodes."""
         return [f"{NODE_PREFIX}{i}" for i in range(self.gpu_nodes)]
+
+    @property
+    def cpu_node_names(self) -> list[str]:
+        """Names of the fake CPU nodes: untainted, no nvidia.com/gpu; the process kubelet runs agents there too."""
+        return [f"{CPU_NODE_PREFIX}{i}" for i in range(self.cpu_nodes)]
 
     # -- context manager
 
@@ -213,7 +221,7 @@ class LocalCluster:
     def _write_state(self) -> None:
         state = {"server": self.server if self.ports else None, "kubeconfig": str(self.kubeconfig),
                  "bin_dir": str(self.bin_dir), "ports": self.ports, "timings_s": self.timings,
-                 "nodes": self.node_names, "netns_pid": self.netns_pid}
+                 "nodes": self.node_names, "cpu_nodes": self.cpu_node_names, "netns_pid": self.netns_pid}
         (self.run_dir / "cluster.json").write_text(json.dumps(state, indent=1) + "\n")
 
     def _wait(self, what: str, proc: Proc, check: Callable[[], bool], timeout: float | None = None) -> None:
@@ -287,20 +295,23 @@ class LocalCluster:
         return gpu_nodes.node_manifest(name, self.gpus_per_node)
 
     def _register_nodes(self) -> None:
-        for name in self.node_names:
+        manifests = [self.node_manifest(n) for n in self.node_names]
+        manifests += [gpu_nodes.cpu_node_manifest(n) for n in self.cpu_node_names]
+        for manifest in manifests:
             try:
-                self.api("POST", "/api/v1/nodes", self.node_manifest(name))
+                self.api("POST", "/api/v1/nodes", manifest)
             except ApiError as exc:
                 if exc.status != 409:
                     raise
         kwok = self._proc("kwok")
-        self._wait(f"{self.gpu_nodes} GPU nodes Ready and schedulable", kwok, self._nodes_ready)
+        self._wait(f"{self.gpu_nodes} GPU and {self.cpu_nodes} CPU nodes Ready and schedulable", kwok,
+                   self._nodes_ready)
 
     def _nodes_ready(self) -> bool:
         """Our nodes are Ready, have a heartbeat lease, and KCM has lifted the not-ready taint (else no scheduling)."""
         nodes = self.api("GET", "/api/v1/nodes")["items"]
         leases = self.api("GET", "/apis/coordination.k8s.io/v1/namespaces/kube-node-lease/leases")["items"]
-        return gpu_nodes.nodes_ready(nodes, leases, self.node_names)
+        return gpu_nodes.nodes_ready(nodes, leases, self.node_names + self.cpu_node_names)
 
     def _wait_default_sa(self) -> None:
         """ServiceAccount admission rejects pods until the namespace's `default` SA exists."""

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # e2e/ is not a package
-from cluster import DEFAULT_RUN_DIR, GPU_TOLERATION, ClusterError, LocalCluster, find_bin_dir
+from cluster import DEFAULT_RUN_DIR, ClusterError, LocalCluster, find_bin_dir
 from operator_proc import Operator, condition, get_cr, install
 
 NAME = "tiny-llama"
@@ -23,14 +23,14 @@ NAMESPACE = "default"
 
 
 def demo_cr(model: Path) -> dict[str, Any]:
-    """manifests/samples/tiny-cpu.yaml, on one fake GPU (the local nodes are all GPU nodes) and autoscaled."""
+    """manifests/samples/tiny-cpu.yaml (no GPU: it runs on the local CPU node), autoscaled."""
     return {
         "apiVersion": "serving.kvfleet.dev/v1alpha1", "kind": "InferenceDeployment",
         "metadata": {"name": NAME, "namespace": NAMESPACE},
         "spec": {
             "model": {"name": NAME, "source": {"hostPath": {"path": str(model)}}},
             "runtime": {"dtype": "float32", "maxModelLen": 512, "maxNumSeqs": 16},
-            "resources": {"gpusPerReplica": 1},
+            "resources": {"gpusPerReplica": 0, "requests": {"cpu": "1", "memory": "2Gi"}, "limits": {"memory": "4Gi"}},
             "autoscaling": {"mode": "builtin", "minReplicas": 1, "maxReplicas": 3,
                             "targets": {"queueDepthPerReplica": 4,
                                         "latency": [{"metric": "ttft", "percentile": 95, "seconds": 0.5}]}},
@@ -40,7 +40,7 @@ def demo_cr(model: Path) -> dict[str, Any]:
 
 ROUTER = {"apiVersion": "serving.kvfleet.dev/v1alpha1", "kind": "InferenceRouter",
           "metadata": {"name": "router", "namespace": NAMESPACE},
-          "spec": {"replicas": 1, "pod": {"tolerations": [GPU_TOLERATION]}}}  # every local node is a GPU node
+          "spec": {"replicas": 1}}  # no GPU toleration: it runs on the CPU node
 
 
 def wait_router(cluster: LocalCluster, deadline: float) -> dict[str, Any]:
@@ -75,8 +75,8 @@ def main() -> int:
         print("control-plane binaries are missing: run `bash e2e/build.sh` (make demo does)", file=sys.stderr)
         return 1
 
-    step("starting the local control plane (etcd, kube-apiserver, controller-manager, scheduler, kwok GPU nodes, "
-         "pod network, process kubelet)")
+    step("starting the local control plane (etcd, kube-apiserver, controller-manager, scheduler, kwok GPU and CPU "
+         "nodes, pod network, process kubelet)")
     cluster = LocalCluster(run_dir, gpu_nodes=2, bin_dir=bin_dir, keep=True)
     try:
         cluster.start()

@@ -1,4 +1,4 @@
-"""Fake GPU nodes run by kwok: their labels, taint and capacity, kwok's stage config, and node readiness."""
+"""Fake nodes run by kwok (GPU nodes, and an untainted CPU node): labels, taint, capacity, kwok's stages, readiness."""
 
 from __future__ import annotations
 
@@ -21,6 +21,10 @@ GPU_LABEL = "nvidia.com/gpu.present"
 GPU_TAINT: dict[str, str] = {"key": "nvidia.com/gpu", "value": "present", "effect": "NoSchedule"}
 GPU_TOLERATION: dict[str, str] = {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}
 NODE_PREFIX = "kvfleet-gpu-"
+# A plain CPU node (no GPU label, taint or capacity), for workloads that take no GPU (manifests/samples/tiny-cpu.yaml).
+# kwok manages it like the GPU nodes (the same annotation), so the process kubelet runs agent pods on it too.
+CPU_NODE_PREFIX = "kvfleet-cpu-"
+CPU_NODE_RESOURCES = {"cpu": "16", "memory": "64Gi", "pods": "110", "ephemeral-storage": "1Ti"}
 
 NODE_IP = "10.249.0.1"  # InternalIP kwok reports for every fake node
 
@@ -39,6 +43,18 @@ def node_manifest(name: str, gpus_per_node: int) -> dict[str, Any]:
     """A fake GPU node: kwok-managed, labelled and tainted for GPUs, with nvidia.com/gpu capacity."""
     resources = {"cpu": "64", "memory": "512Gi", "pods": "110", "ephemeral-storage": "1Ti",
                  GPU_RESOURCE: str(gpus_per_node)}
+    node = _kwok_node(name, resources)
+    node["metadata"]["labels"].update({GPU_LABEL: "true", "nvidia.com/gpu.count": str(gpus_per_node)})
+    node["spec"] = {"taints": [dict(GPU_TAINT)]}
+    return node
+
+
+def cpu_node_manifest(name: str) -> dict[str, Any]:
+    """A fake CPU node: kwok-managed, untainted, with no GPU label or capacity."""
+    return _kwok_node(name, dict(CPU_NODE_RESOURCES))
+
+
+def _kwok_node(name: str, resources: dict[str, str]) -> dict[str, Any]:
     return {
         "apiVersion": "v1",
         "kind": "Node",
@@ -50,11 +66,9 @@ def node_manifest(name: str, gpus_per_node: int) -> dict[str, Any]:
                 "kubernetes.io/os": "linux",
                 "kubernetes.io/arch": "amd64",
                 "type": "kwok",
-                GPU_LABEL: "true",
-                "nvidia.com/gpu.count": str(gpus_per_node),
             },
         },
-        "spec": {"taints": [dict(GPU_TAINT)]},
+        "spec": {},
         # Kept on create (as when a kubelet registers); kwok's node-initialize stage keeps it too.
         "status": {"capacity": dict(resources), "allocatable": dict(resources)},
     }

@@ -44,8 +44,8 @@ def test_apiserver_serves_and_lists_gpu_nodes(cluster: LocalCluster) -> None:
         assert name in table
 
     nodes = {n["metadata"]["name"]: n for n in cluster.kubectl_json("get", "nodes")["items"]}
-    assert sorted(nodes) == sorted(cluster.node_names)
-    for node in nodes.values():
+    assert sorted(nodes) == sorted(cluster.node_names + cluster.cpu_node_names)  # the CPU node: test_cpu_sample.py
+    for node in (nodes[name] for name in cluster.node_names):
         assert node["metadata"]["labels"][GPU_LABEL] == "true"
         assert node["status"]["capacity"][GPU_RESOURCE] == str(GPUS_PER_NODE)
         assert node["status"]["allocatable"][GPU_RESOURCE] == str(GPUS_PER_NODE)
@@ -96,7 +96,9 @@ def test_pod_without_gpu_toleration_is_not_scheduled(cluster: LocalCluster, name
         "apiVersion": "v1",
         "kind": "Pod",
         "metadata": {"name": "no-toleration", "namespace": namespace, "labels": {"app": "no-toleration"}},
-        "spec": {"containers": [{"name": "c", "image": "registry.invalid/kvfleet/never-pulled:0"}]},
+        # Asking for a GPU node (the CPU node, untainted, would take it otherwise) without tolerating its taint.
+        "spec": {"nodeSelector": {GPU_LABEL: "true"},
+                 "containers": [{"name": "c", "image": "registry.invalid/kvfleet/never-pulled:0"}]},
     }
     apply(cluster, pod)
 
