@@ -4,24 +4,15 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 from aiohttp import web
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import Metric
+from prometheus_client import CONTENT_TYPE_LATEST, Counter, Gauge, Histogram, generate_latest
+
+from kvfleet_contract.exposition import ExpositionRegistry
 
 log = logging.getLogger(__name__)
 
-
-class ExpositionRegistry(CollectorRegistry):
-    """A registry that leaves out prometheus_client's *_created samples (creation times, not data); per registry, not
-    the process-wide disable_created_metrics(), so other registries in the same process keep their behaviour."""
-
-    def collect(self) -> Iterator[Metric]:
-        """Every collector's families, less their _created samples."""
-        for metric in super().collect():
-            metric.samples = [s for s in metric.samples if s.name != metric.name + "_created"]
-            yield metric
 
 
 REGISTRY = ExpositionRegistry()

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import Counter, Histogram
 from prometheus_client.core import GaugeMetricFamily, Metric
 
 from kvfleet_contract import metrics as contract
+from kvfleet_contract.exposition import ExpositionRegistry
 
 LATENCY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
 HOLD_BUCKETS = (0.01, 0.05, 0.1, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
@@ -15,16 +16,6 @@ HELD_LABELS = (contract.MODEL_LABEL, contract.NAMESPACE_LABEL, contract.DEPLOYME
 # (model, namespace, InferenceDeployment, requests held): "" and "" for a model served by static endpoints.
 HeldSample = tuple[str, str, str, float]
 
-
-class ExpositionRegistry(CollectorRegistry):
-    """A registry that leaves out prometheus_client's *_created samples (creation times, not data); per registry, not
-    the process-wide disable_created_metrics(), so other registries in the same process keep their behaviour."""
-
-    def collect(self) -> Iterator[Metric]:
-        """Every collector's families, less their _created samples."""
-        for metric in super().collect():
-            metric.samples = [s for s in metric.samples if s.name != metric.name + "_created"]
-            yield metric
 
 
 class HeldRequests:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from collections.abc import Iterator
 
-from prometheus_client import CollectorRegistry, Histogram, generate_latest
+from prometheus_client import Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -15,20 +15,10 @@ from kvfleet_agent.server.admission import Admission
 from kvfleet_agent.server.vllm_metrics import VllmView
 from kvfleet_agent.worker.startup_phases import StartupPhases
 from kvfleet_contract import metrics as contract
+from kvfleet_contract.exposition import ExpositionRegistry
 
 COMPAT_VIEWS = contract.METRICS_COMPAT_VIEWS  # kvfleet: kvfleet's families only (also "", unset); vllm: vLLM's too
 
-
-class ExpositionRegistry(CollectorRegistry):
-    """A registry that leaves out prometheus_client's *_created samples: creation times, not data, that double the
-    series of every counter and histogram. Per registry rather than prometheus_client's process-wide switch, so
-    that other exporters in the same process (tests run several) keep their own behaviour."""
-
-    def collect(self) -> Iterator[Metric]:
-        """Every collector's families, less their _created samples."""
-        for metric in super().collect():
-            metric.samples = [s for s in metric.samples if s.name != metric.name + "_created"]
-            yield metric
 
 
 class AgentMetrics(Collector):
