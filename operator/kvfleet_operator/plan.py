@@ -32,6 +32,16 @@ class ReconcileError(Exception):
         self.reason, self.message, self.permanent = reason, message, permanent
 
 
+def refusal(owner: Ownership) -> ReconcileError | None:
+    """Why an existing object must not be written (None: it may). Someone else's object is left alone for good; an
+    earlier namesake's waits for garbage collection, so a resource recreated under the same name recovers."""
+    if owner.writable:
+        return None
+    foreign = owner.verdict == "foreign"
+    return ReconcileError("ResourceExists" if foreign else "WaitingForGarbageCollection", owner.message,
+                          permanent=foreign)
+
+
 def child_keys(name: str) -> tuple[ChildKey, ...]:
     """Every object a reconcile of InferenceDeployment `name` may apply or delete: what the read phase reads."""
     return (("ConfigMap", builders.args_config_map_name(name)), ("Deployment", name), ("Service", name),
@@ -52,13 +62,8 @@ class Write:
 
     @property
     def refusal(self) -> ReconcileError | None:
-        """Why this object must not be written (None: it may). Someone else's object is left alone for good; an
-        earlier namesake's waits for garbage collection, so a CR recreated under the same name recovers."""
-        if self.owner.writable:
-            return None
-        foreign = self.owner.verdict == "foreign"
-        return ReconcileError("ResourceExists" if foreign else "WaitingForGarbageCollection", self.owner.message,
-                              permanent=foreign)
+        """Why this object must not be written (None: it may); see refusal()."""
+        return refusal(self.owner)
 
 
 @dataclass(frozen=True)

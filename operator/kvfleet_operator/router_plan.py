@@ -12,7 +12,7 @@ from kvfleet_operator import router_builders as rb
 from kvfleet_operator.builders import MANAGED_BY_LABEL, MANAGER, OWNER_LABEL
 from kvfleet_operator.config import OperatorConfig
 from kvfleet_operator.ownership import Ownership, classify, controller
-from kvfleet_operator.plan import ReconcileError
+from kvfleet_operator.plan import ReconcileError, refusal
 from kvfleet_operator.router_models import MAX_MODELS, ROUTER_KIND, InferenceRouter
 from kvfleet_operator.status import READY, condition, observe
 
@@ -74,12 +74,8 @@ class RouterWrite:
 
     @property
     def refusal(self) -> ReconcileError | None:
-        """Why this object must not be written (None: it may); see plan.Write.refusal."""
-        if self.owner.writable:
-            return None
-        foreign = self.owner.verdict == "foreign"
-        return ReconcileError("ResourceExists" if foreign else "WaitingForGarbageCollection", self.owner.message,
-                              permanent=foreign)
+        """Why this object must not be written (None: it may); see plan.refusal()."""
+        return refusal(self.owner)
 
 
 @dataclass(frozen=True)
