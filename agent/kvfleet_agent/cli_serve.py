@@ -10,13 +10,6 @@ import jinja2
 
 from kvfleet_contract.metrics import METRICS_COMPAT_ENV, METRICS_COMPAT_VIEWS
 
-# vLLM flags whose meaning kvfleet shares only at one value: accepted at that value, refused by name otherwise.
-_TOKENIZER_WHY = ("kvfleet loads the tokenizer from the model directory only: copy tokenizer.json and "
-                  "tokenizer_config.json there, or leave --tokenizer out")
-_GENERATION_CONFIG_WHY = ("kvfleet does not take request defaults from generation_config.json yet (vLLM's "
-                          "--generation-config auto): requests default to temperature 1, top_p 1, no top_k and "
-                          "no penalties, which is --generation-config vllm, the only value accepted")
-
 
 def add_serve_arguments(serve: argparse.ArgumentParser) -> None:
     """The serve subcommand's own flags (the engine's are added beside them by the caller)."""
@@ -24,14 +17,17 @@ def add_serve_arguments(serve: argparse.ArgumentParser) -> None:
                        help="Hugging Face model directory (vLLM's positional spelling of --model)")
     serve.add_argument("--model", default=None, help="Hugging Face model directory (or the positional MODEL)")
     serve.add_argument("--served-model-name", default=None, help="name clients use (default: the directory name)")
-    serve.add_argument("--tokenizer", default=None,
-                       help="as vLLM, but only the model directory itself is accepted (kvfleet reads no other)")
+    serve.add_argument("--tokenizer", default=None, metavar="DIR",
+                       help="a directory with tokenizer.json, tokenizer_config.json (and its chat template) to use "
+                            "instead of the model's, as vLLM; its EOS ids join the model's")
     serve.add_argument("--chat-template", default=None,
                        help="a jinja chat template replacing the checkpoint's: a file path, or the template itself "
                             "(backslash escapes such as \\n decoded, as vLLM)")
-    serve.add_argument("--generation-config", default="vllm",
-                       help="'vllm' (the only value accepted): requests default to SamplingParams' defaults, not to "
-                            "the checkpoint's generation_config.json (vLLM's default is 'auto')")
+    serve.add_argument("--generation-config", default="auto", metavar="{auto,vllm,DIR}",
+                       help="request defaults, as vLLM: 'auto' takes temperature, top_p, top_k, min_p, "
+                            "repetition_penalty (for requests that omit them) and a max_new_tokens cap from the "
+                            "model's generation_config.json, DIR from that directory's; 'vllm': kvfleet's built-in "
+                            "defaults (temperature 1, no cuts, no penalties)")
     serve.add_argument("--disable-log-requests", action="store_true",
                        help="accepted for vLLM compatibility: kvfleet never logs individual requests")
     serve.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0 in a pod)")
@@ -104,13 +100,6 @@ def metrics_compat_of(a: argparse.Namespace) -> str:
     return str(value)
 
 
-def _check_vllm_only_values(a: argparse.Namespace, model: str) -> None:
-    if a.tokenizer is not None and os.path.realpath(a.tokenizer) != os.path.realpath(model):
-        raise ValueError(f"--tokenizer {a.tokenizer}: {_TOKENIZER_WHY}")
-    if a.generation_config != "vllm":
-        raise ValueError(f"--generation-config {a.generation_config}: {_GENERATION_CONFIG_WHY}")
-
-
 def run_serve(a: argparse.Namespace, engine_options: dict[str, object]) -> int:
     """Check the flags, then serve until SIGTERM; returns the process's exit code."""
     import asyncio
@@ -118,24 +107,28 @@ def run_serve(a: argparse.Namespace, engine_options: dict[str, object]) -> int:
     from kvfleet_agent.config import EngineConfig
     from kvfleet_agent.server.connections import ConnectionLimits
     from kvfleet_agent.server.lifecycle import ServeOptions, serve
+    from kvfleet_agent.server.request_defaults import load_request_defaults
 
     for name, value, low in (("--max-queue-length", a.max_queue_length, 0),
                              ("--drain-grace-period", a.drain_grace_period, 0), ("--max-logprobs", a.max_logprobs, 0)):
         if value < low:
             raise ValueError(f"{name}={value} must be >= {low}")
     model = model_of(a)
-    _check_vllm_only_values(a, model)
+    if a.tokenizer is not None and not os.path.isfile(os.path.join(a.tokenizer, "tokenizer.json")):
+        raise ValueError(f"--tokenizer {a.tokenizer}: that directory has no tokenizer.json; name one that has, or "
+                         "leave --tokenizer out (the model's)")
     metrics_compat = metrics_compat_of(a)
+    defaults = load_request_defaults(a.generation_config or "auto", model)  # a bad file fails before the model loads
     chat_template = None
     if a.chat_template is not None:
         chat_template = load_chat_template(a.chat_template)
-        if not os.path.isfile(os.path.join(model, "tokenizer.json")):
-            raise ValueError(f"--chat-template needs a tokenizer, and {model} has no tokenizer.json")
+        if not os.path.isfile(os.path.join(a.tokenizer or model, "tokenizer.json")):
+            raise ValueError(f"--chat-template needs a tokenizer, and {a.tokenizer or model} has no tokenizer.json")
     if a.api_key == "":
         logging.getLogger("kvfleet_agent").warning("the API key is set but empty: the API is open to all")
     limits = ConnectionLimits(a.max_connections, a.keep_alive_timeout, a.header_timeout, a.body_timeout)
     opts = ServeOptions(a.served_model_name or os.path.basename(os.path.normpath(model)), a.host, a.port,
                         None if a.grpc_port < 0 else a.grpc_port, a.max_queue_length, a.drain_grace_period,
                         api_key=a.api_key or None, limits=limits, max_logprobs=a.max_logprobs,
-                        chat_template=chat_template, metrics_compat=metrics_compat)
-    return asyncio.run(serve(EngineConfig.from_kwargs(model, **engine_options), opts))
+                        chat_template=chat_template, metrics_compat=metrics_compat, request_defaults=defaults)
+    return asyncio.run(serve(EngineConfig.from_kwargs(model, tokenizer=a.tokenizer, **engine_options), opts))

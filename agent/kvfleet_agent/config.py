@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,6 +22,7 @@ class EngineConfig:
     """
 
     model: str
+    tokenizer: str | None = None  # a directory with tokenizer.json (and its configs); None: the model's (vLLM's)
     dtype: str = "auto"
     device: str = "auto"
     max_model_len: int | None = None
@@ -42,6 +44,8 @@ class EngineConfig:
 
         if self.dtype not in DTYPES:
             raise bad("dtype", f"choose one of {', '.join(DTYPES)}")
+        if self.tokenizer is not None and not os.path.isdir(self.tokenizer):
+            raise bad("tokenizer", "name a directory holding tokenizer.json, or leave it unset (the model's)")
         if self.device not in ("auto", "cpu") and not self.device.startswith("cuda"):
             raise bad("device", "choose auto, cpu or cuda[:N]")
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "tensor_parallel_size"):

@@ -12,6 +12,9 @@ class Logprob:
     token_id: int
     logprob: float
     top: dict[int, float] = field(default_factory=dict)
+    # 1 + the vocabulary entries with a strictly higher logprob; set for prompt tokens only (the sampled token's
+    # rank is not computed: it would cost a comparison over the vocabulary on every decode step).
+    rank: int | None = None
 
 
 @dataclass

@@ -79,7 +79,7 @@ def agent_args(spec: InferenceDeploymentSpec, *, args_file: bool = False) -> lis
     """`kvfleet-agent serve` arguments; every runtime value is explicit, so agent default changes never leak in."""
     rt = spec.runtime
     args = ["serve", "--model", model_dir(spec), "--served-model-name", spec.model.name,
-            "--port", str(HTTP_PORT), "--grpc-port", str(GRPC_PORT),
+            "--port", str(HTTP_PORT), "--grpc-port", str(GRPC_PORT), "--generation-config", "vllm",
             "--tensor-parallel-size", str(rt.tensor_parallel_size), "--dtype", rt.dtype,
             "--max-num-seqs", str(rt.max_num_seqs), "--block-size", str(rt.block_size),
             "--gpu-memory-utilization", str(rt.gpu_memory_utilization),

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import urllib.request
 from collections.abc import Callable
 from pathlib import Path
@@ -11,6 +12,7 @@ from typing import Any
 
 import pytest
 from server_process import start_agent
+from transformers import AutoTokenizer
 
 from kvfleet_agent import cli
 from kvfleet_agent.cli_serve import load_chat_template
@@ -59,8 +61,7 @@ def _refused(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
     ([], "the model is required"),
     (["{model}", "--model", "{other}"], "--model"),
     (["{model}", "--tokenizer", "{other}"], "--tokenizer"),
-    (["{model}", "--generation-config", "auto"], "--generation-config auto"),
-    (["{model}", "--generation-config", "{model}"], "--generation-config"),
+    (["{model}", "--generation-config", "{other}"], "there is no generation_config.json"),
     (["{model}", "--chat-template", "no/such/template.jinja"], "--chat-template 'no/such/template.jinja' looks like"),
     (["{model}", "--chat-template", "{% for m in messages %}"], "--chat-template has a jinja syntax error"),
     (["{other}", "--chat-template", "{{ x }}"], "--chat-template needs a tokenizer"),
@@ -81,10 +82,15 @@ def _post(url: str, body: dict[str, Any]) -> Any:
         return json.load(r)
 
 
-def test_a_vllm_style_command_line_serves(tiny_checkpoint: Callable[..., str]) -> None:
-    model = tiny_checkpoint("llama")
-    agent = start_agent(model, "--served-model-name", "tiny", "--tokenizer", model, "--chat-template", TEMPLATE,
-                        "--generation-config", "vllm", "--disable-log-requests", "--no-enable-prefix-caching",
+def test_a_vllm_style_command_line_serves(tiny_checkpoint: Callable[..., str], tmp_path: Path) -> None:
+    # The weights without a tokenizer, and the tokenizer (as transformers saves it) in a directory of its own.
+    model, tokenizer = tmp_path / "weights", tmp_path / "tokenizer"
+    shutil.copytree(tiny_checkpoint("llama"), model)
+    AutoTokenizer.from_pretrained(str(model)).save_pretrained(str(tokenizer))
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (model / name).unlink()
+    agent = start_agent(str(model), "--served-model-name", "tiny", "--tokenizer", str(tokenizer), "--chat-template",
+                        TEMPLATE, "--generation-config", "vllm", "--disable-log-requests", "--no-enable-prefix-caching",
                         "--no-enable-chunked-prefill", "--max-model-len", "128", "--max-num-batched-tokens", "128",
                         positional=True)
     try:

@@ -104,3 +104,45 @@ def test_max_logprobs_bounds_every_logprobs_field(client: openai.OpenAI) -> None
 def test_max_tokens_zero_without_echo_is_refused_with_the_fix(client: openai.OpenAI) -> None:
     with pytest.raises(openai.BadRequestError, match="echo"):
         client.completions.create(model=MODEL, prompt="x", max_tokens=0)
+
+
+def _entries(scored: list[dict[str, Any] | None]) -> list[dict[str, Any]]:
+    assert scored[0] is None  # nothing predicts the first prompt token
+    return [e for e in scored[1:] if e is not None]
+
+
+def test_prompt_logprobs_are_the_engines_with_ranks(client: openai.OpenAI, offline: LLM) -> None:
+    want = offline.generate(PROMPT, SamplingParams(max_tokens=1, prompt_logprobs=3), use_tqdm=False)[0]
+    assert want.prompt_logprobs is not None
+    body = _raw(client, model=MODEL, prompt=PROMPT, max_tokens=2, extra_body={"prompt_logprobs": 3})
+    scored = _entries(body["choices"][0]["prompt_logprobs"])
+    assert len(scored) == len(want.prompt_token_ids) - 1
+    for entry, ref, tid in zip(scored, want.prompt_logprobs[1:], want.prompt_token_ids[1:], strict=True):
+        assert ref is not None and next(iter(entry)) == str(tid)  # the prompt token first, as vLLM
+        assert math.isclose(entry[str(tid)]["logprob"], ref.logprob, abs_tol=1e-4)
+        assert entry[str(tid)]["rank"] == ref.rank
+        for t, v in ref.top.items():
+            assert math.isclose(entry[str(t)]["logprob"], v, abs_tol=1e-4)
+            assert entry[str(t)]["rank"] == 1 + sum(o > v for o in ref.top.values())
+        assert len(entry) <= 4 and all(e["decoded_token"] is not None for e in entry.values())
+    chat = client.chat.completions.with_raw_response.create(
+        model=MODEL, messages=[{"role": "user", "content": PROMPT}], max_tokens=1,
+        extra_body={"prompt_logprobs": 0}).http_response.json()
+    responses.ChatCompletionResponse.model_validate(chat)
+    assert all(len(e) == 1 for e in _entries(chat["prompt_logprobs"]))  # k=0: the prompt token alone
+
+
+def test_prompt_logprobs_with_echo_keep_each_fields_k(client: openai.OpenAI) -> None:
+    body = _raw(client, model=MODEL, prompt=PROMPT, max_tokens=0, echo=True, logprobs=1,
+                extra_body={"prompt_logprobs": 4})
+    choice = body["choices"][0]
+    assert all(len(top) <= 2 for top in choice["logprobs"]["top_logprobs"][1:])  # logprobs=1 (+ the token)
+    assert max(len(e) for e in _entries(choice["prompt_logprobs"])) >= 4
+
+
+def test_prompt_logprobs_are_bounded_and_not_streamed(client: openai.OpenAI) -> None:
+    with pytest.raises(openai.BadRequestError, match="--max-logprobs"):
+        client.completions.create(model=MODEL, prompt="x", max_tokens=1, extra_body={"prompt_logprobs": 6})
+    with pytest.raises(openai.BadRequestError, match=r"prompt_logprobs.*stream"):
+        client.completions.create(model=MODEL, prompt="x", max_tokens=1, stream=True,
+                                  extra_body={"prompt_logprobs": 1})

@@ -50,3 +50,17 @@ def test_a_cached_prefix_does_not_skip_prompt_logprobs(chunked: LLM) -> None:
                               use_tqdm=False)[0]
     assert scored.num_cached_tokens == 0 and scored.prompt_logprobs is not None
     assert all(lp is not None for lp in scored.prompt_logprobs[1:])
+
+
+
+def test_prompt_token_ranks_count_the_vocabulary_entries_above_them(chunked: LLM) -> None:
+    out = chunked.generate([{"prompt_token_ids": PROMPT}], SamplingParams(max_tokens=1, prompt_logprobs=1000),
+                           use_tqdm=False)[0]
+    assert out.prompt_logprobs is not None
+    ranks = []
+    for lp in out.prompt_logprobs[1:]:
+        assert lp is not None and lp.rank is not None
+        assert len(lp.top) < 1000  # k was capped at the vocabulary: top is the whole distribution
+        assert lp.rank == 1 + sum(v > lp.logprob for v in lp.top.values())
+        ranks.append(lp.rank)
+    assert max(ranks) > 1  # a random model's prompt is not its own argmax everywhere: the count is exercised

@@ -112,7 +112,7 @@ def test_unknown_fields_are_refused_by_name_and_no_op_values_of_unimplemented_on
                     "parallel_tool_calls": False, "store": False, "user": "me"}, "m", chat=True, max_model_len=100)
     assert req.params.max_tokens == 100
     for field, value in (("guided_decoding_backend", "xgrammar"), ("tool_choice", "auto"),
-                         ("functions", [{"name": "f"}]), ("use_beam_search", True), ("prompt_logprobs", 1)):
+                         ("functions", [{"name": "f"}]), ("use_beam_search", True), ("truncate_prompt_tokens", 1)):
         with pytest.raises(APIError) as info:
             parse({"messages": chat, field: value}, "m", chat=True, max_model_len=100)
         assert info.value.param == field and f"'{field}'" in info.value.message

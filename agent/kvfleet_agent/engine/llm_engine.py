@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -14,7 +15,7 @@ from kvfleet_agent.core.scheduler import Scheduler
 from kvfleet_agent.engine.detokenizer import IncrementalDetokenizer
 from kvfleet_agent.engine.stats import EngineCounters, EngineObserver, EngineStats
 from kvfleet_agent.models.config import ModelConfig
-from kvfleet_agent.models.tokenizer import Tokenizer
+from kvfleet_agent.models.tokenizer import Tokenizer, _int_list, _read_json
 from kvfleet_agent.outputs import CompletionOutput, Logprob, RequestOutput
 from kvfleet_agent.sampling_params import SamplingParams
 from kvfleet_agent.worker.device import rank_device
@@ -43,14 +44,19 @@ class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         self.model_config = ModelConfig.from_dir(config.model)
-        self.tokenizer = Tokenizer.from_dir(config.model)
+        self.tokenizer = Tokenizer.from_dir(config.tokenizer or config.model)
+        if self.tokenizer is None and config.tokenizer is not None:
+            raise ValueError(f"engine option tokenizer={config.tokenizer!r} is invalid: that directory has no "
+                             "tokenizer.json; name one that has, or leave it unset (the model's)")
         if self.tokenizer is None:
             log.warning("%s has no tokenizer.json: prompts must be token ids and outputs carry no text",
                         config.model)
         self.max_model_len = self._max_model_len()
-        # EOS from every source the checkpoint gives (config.json, generation_config.json, tokenizer_config.json).
+        # EOS from every source the checkpoint gives (config.json, generation_config.json, tokenizer_config.json);
+        # with the tokenizer elsewhere, the model's generation_config.json still counts (vLLM stops there too).
         self.eos_token_ids = frozenset(self.model_config.eos_token_ids) | frozenset(
-            self.tokenizer.eos_token_ids if self.tokenizer else ())
+            self.tokenizer.eos_token_ids if self.tokenizer else ()) | frozenset(
+            _generation_eos(config.model) if config.tokenizer is not None else ())
         self.model_config.check_tensor_parallel(config.tensor_parallel_size, config.model)
         self.grammars = GrammarCompiler(self.tokenizer.backend.to_str(), self.model_config.vocab_size,
                                         sorted(self.eos_token_ids)) if self.tokenizer is not None else None
@@ -263,3 +269,9 @@ class LLMEngine:
         return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, [completion], req.is_finished,
                              req.num_cached_tokens, t.prompt_logprobs)
 
+
+def _generation_eos(model_dir: str) -> list[int]:
+    """The EOS ids of the model directory's generation_config.json (the tokenizer reads its own directory's)."""
+    path = os.path.join(model_dir, "generation_config.json")
+    gen = _read_json(path)
+    return _int_list(gen.get("eos_token_id"), path, "eos_token_id") if gen else []

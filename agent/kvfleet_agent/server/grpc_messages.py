@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from typing import Any
 
 import grpc
@@ -11,15 +12,19 @@ from google.protobuf.message import DecodeError, Message
 from kvfleet_agent.outputs import CompletionOutput, Logprob, RequestOutput
 from kvfleet_agent.sampling_params import SamplingParams
 from kvfleet_agent.server import kvfleet_pb2 as pb
-from kvfleet_agent.server.api.common import MAX_LOGIT_BIAS, MAX_N, MAX_STOP_TOKEN_IDS
+from kvfleet_agent.server.api.common import MAX_LOGIT_BIAS, MAX_N, MAX_STOP_TOKEN_IDS, APIError
+from kvfleet_agent.server.api.structured import MAX_CHOICES, constraint_of
+from kvfleet_agent.server.request_defaults import RequestDefaults
+from kvfleet_agent.structured_outputs import StructuredOutputs
 
 # GenerateRequest fields declared `optional`: passed to SamplingParams only when set, so that the
 # defaults (max_tokens 16, temperature 1, top_p 1, repetition_penalty 1, ...) live in SamplingParams alone.
+# Unset sampling fields (temperature, top_p, top_k, min_p, repetition_penalty) take --generation-config's defaults.
 _OPTIONAL_SAMPLING = ("max_tokens", "temperature", "top_p", "seed", "logprobs", "skip_special_tokens",
-                      "repetition_penalty")
+                      "repetition_penalty", "top_k", "min_p")
 # Plain proto3 scalars whose zero is SamplingParams' "off" too.
-_PLAIN_SAMPLING = ("top_k", "ignore_eos", "include_stop_str_in_output", "presence_penalty", "frequency_penalty",
-                   "min_p", "min_tokens")
+_PLAIN_SAMPLING = ("ignore_eos", "include_stop_str_in_output", "presence_penalty", "frequency_penalty",
+                   "min_tokens")
 
 
 class Status(Exception):
@@ -85,9 +90,11 @@ def samples_of(request: pb.GenerateRequest) -> int:
     return int(request.n)
 
 
-def sampling_params(request: pb.GenerateRequest, max_logprobs: int, vocab_size: int) -> SamplingParams:
-    """SamplingParams from the request; errors name the request's field."""
-    options: dict[str, Any] = {name: getattr(request, name) for name in _OPTIONAL_SAMPLING if request.HasField(name)}
+def sampling_params(request: pb.GenerateRequest, max_logprobs: int, vocab_size: int,
+                    defaults: RequestDefaults | None = None) -> SamplingParams:
+    """SamplingParams from the request, defaults filling the fields it leaves unset; errors name the request's field."""
+    options: dict[str, Any] = (defaults or RequestDefaults()).omitted(
+        {name: getattr(request, name) if request.HasField(name) else None for name in _OPTIONAL_SAMPLING})
     options |= {name: getattr(request, name) for name in _PLAIN_SAMPLING}
     if options.get("logprobs", 0) > max_logprobs:
         raise invalid(f"logprobs={options['logprobs']} is invalid: this server allows at most {max_logprobs} "
@@ -105,9 +112,33 @@ def sampling_params(request: pb.GenerateRequest, max_logprobs: int, vocab_size: 
                                 logit_bias=dict(request.logit_bias), **options)
     except ValueError as e:  # its message names the field: "SamplingParams.top_p=0.0 is invalid: ..."
         raise invalid(str(e).removeprefix("SamplingParams.")) from None
+    params = (defaults or RequestDefaults()).cap(params)
     if params.min_tokens > params.max_tokens:
         raise invalid(f"min_tokens={params.min_tokens} is above max_tokens={params.max_tokens}: lower it")
+    if request.HasField("structured_outputs"):
+        params = replace(params, structured_outputs=_constraint(request.structured_outputs, params))
     return params
+
+
+def _constraint(so: pb.StructuredOutputs, params: SamplingParams) -> StructuredOutputs:
+    """The request's StructuredOutputs, checked as HTTP's structured_outputs field is (compiled later, off the loop)."""
+    kind = so.WhichOneof("kind")
+    if kind is None or (kind == "json_object" and not so.json_object):
+        raise invalid("structured_outputs is set but empty: set one of json_schema, regex, choice, grammar or "
+                      "json_object: true, or leave it unset")
+    field = f"structured_outputs.{kind}"
+    # Both fight the grammar, as over HTTP: past a complete value only EOS is allowed.
+    for name, conflicting in (("ignore_eos", params.ignore_eos), ("min_tokens", params.min_tokens)):
+        if conflicting:
+            raise invalid(f"{name} cannot be used with {field}: the grammar decides where the output ends; drop {name}")
+    if kind == "choice" and not 1 <= len(so.choice.choices) <= MAX_CHOICES:
+        raise invalid(f"{field} has {len(so.choice.choices)} strings: give 1 to {MAX_CHOICES}")
+    value: Any = {"json_schema": so.json_schema, "regex": so.regex, "grammar": so.grammar, "json_object": True,
+                  "choice": list(so.choice.choices)}[kind]
+    try:
+        return constraint_of("json" if kind == "json_schema" else kind, value, field, False)
+    except APIError as e:
+        raise invalid(e.message) from None
 
 
 def _logprob(lp: Logprob) -> pb.TokenLogprob:

@@ -42,6 +42,7 @@ from kvfleet_agent.server.grpc_messages import (
 )
 from kvfleet_agent.server.prompts import PromptEncoder
 from kvfleet_agent.server.protocol import APIError, GenerateRequest
+from kvfleet_agent.server.request_defaults import RequestDefaults
 
 
 async def _fail(context: grpc.aio.ServicerContext, status: Status) -> NoReturn:
@@ -90,12 +91,11 @@ class GenerationService(pb_grpc.GenerationServicer):
     """kvfleet.v1.Generation: validates, asks Admission, and streams from AsyncLLM (n samples through fanout)."""
 
     def __init__(self, llm: AsyncLLM, admission: Admission, model_name: str,
-                 prompts: PromptEncoder | None = None, max_logprobs: int = DEFAULT_MAX_LOGPROBS) -> None:
-        self.llm = llm
-        self.admission = admission
-        self.model_name = model_name
+                 prompts: PromptEncoder | None = None, max_logprobs: int = DEFAULT_MAX_LOGPROBS,
+                 defaults: RequestDefaults | None = None) -> None:
+        self.llm, self.admission, self.model_name = llm, admission, model_name
         self.prompts = prompts or PromptEncoder(llm)
-        self.max_logprobs = max_logprobs
+        self.max_logprobs, self.defaults = max_logprobs, defaults or RequestDefaults()
 
     async def _start(self, request: pb.GenerateRequest | Undecodable, started: list[OutputStream]
                      ) -> tuple[str | None, list[OutputStream]]:
@@ -110,7 +110,7 @@ class GenerationService(pb_grpc.GenerationServicer):
             raise invalid(f"model {shown!r} is not served here: this agent serves {self.model_name!r} "
                           "(or leave `model` empty)")
         prompt = prompt_of(request, self.llm.max_model_len)
-        params = sampling_params(request, self.max_logprobs, self.llm.vocab_size)
+        params = sampling_params(request, self.max_logprobs, self.llm.vocab_size, self.defaults)
         n = samples_of(request)
         if n > max(1, self.admission.max_queue_length):  # could never be admitted: bad input, not load
             raise invalid(f"n={n} is above what this server queues at once ({self.admission.max_queue_length}, "
@@ -122,7 +122,9 @@ class GenerationService(pb_grpc.GenerationServicer):
         # is asked before tokenizing (no work for a refused request) and again after (exact).
         self._admit(n)
         name = request.WhichOneof("prompt")
-        with _engine_errors():  # tokenized off the event loop; too long for the context is refused by name
+        with _engine_errors():  # compiled and tokenized off the loop; bad constraints or prompts refused by name
+            kind = request.structured_outputs.WhichOneof("kind")  # errors name the field, as HTTP's do
+            await self.prompts.compile(params.structured_outputs, f"structured_outputs.{kind}")
             ids = (await self.prompts.encode([prompt], name))[0]
             if request.HasField("max_tokens"):
                 self.prompts.check_fits(len(ids), params.max_tokens, name, "max_tokens")
@@ -239,8 +241,7 @@ class HealthService(pb_grpc.HealthServicer):
     """kvfleet.v1.Health: SERVING unless draining or the engine has failed."""
 
     def __init__(self, llm: AsyncLLM, admission: Admission) -> None:
-        self.llm = llm
-        self.admission = admission
+        self.llm, self.admission = llm, admission
 
     async def Check(self, request: pb.HealthCheckRequest | Undecodable,
                     context: grpc.aio.ServicerContext) -> pb.HealthCheckResponse:
@@ -277,15 +278,15 @@ def _register(server: grpc.aio.Server, generation: GenerationService, health: He
 
 async def start_grpc_server(llm: AsyncLLM, admission: Admission, model_name: str, host: str, port: int, *,
                             api_key: APIKey | None = None, prompts: PromptEncoder | None = None,
-                            limits: ConnectionLimits | None = None, max_logprobs: int = DEFAULT_MAX_LOGPROBS
-                            ) -> tuple[grpc.aio.Server, int]:
+                            limits: ConnectionLimits | None = None, max_logprobs: int = DEFAULT_MAX_LOGPROBS,
+                            defaults: RequestDefaults | None = None) -> tuple[grpc.aio.Server, int]:
     """Start serving Generation and Health on host:port (0 picks a free port); returns the server and its port."""
     # gRPC turns SO_REUSEPORT on by default, which would let a second agent bind a port that is
     # already taken and silently split its traffic; without it, a taken port fails here.
     options = [("grpc.so_reuseport", 0), *(limits.grpc_options() if limits is not None else [])]
     server = grpc.aio.server(options=options,
                              interceptors=[api_key.interceptor()] if api_key is not None else None)
-    _register(server, GenerationService(llm, admission, model_name, prompts, max_logprobs),
+    _register(server, GenerationService(llm, admission, model_name, prompts, max_logprobs, defaults),
               HealthService(llm, admission))
     address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
     try:

@@ -17,7 +17,7 @@ from kvfleet_agent.sampling_params import SamplingParams
 from kvfleet_agent.server import protocol, sse
 from kvfleet_agent.server.admission import Admission, Refusal
 from kvfleet_agent.server.api.common import DEFAULT_MAX_LOGPROBS
-from kvfleet_agent.server.api.render import Decode, echoed, prompt_only
+from kvfleet_agent.server.api.render import Decode, echoed, prompt_logprobs, prompt_only
 from kvfleet_agent.server.auth import APIKey
 from kvfleet_agent.server.connections import ConnectionGate
 from kvfleet_agent.server.fanout import OutputStream, best, start_samples
@@ -26,6 +26,7 @@ from kvfleet_agent.server.metrics import AgentMetrics
 from kvfleet_agent.server.openapi import openapi_document
 from kvfleet_agent.server.prompts import PromptEncoder
 from kvfleet_agent.server.protocol import APIError
+from kvfleet_agent.server.request_defaults import RequestDefaults
 from kvfleet_agent.server.small_routes import SmallRoutes
 from kvfleet_agent.server.tool_calls import family_of, whole_choice
 
@@ -66,13 +67,13 @@ class HTTPFrontend:
                  stall_timeout_s: float = 120.0, *, prompts: PromptEncoder | None = None,
                  api_key: APIKey | None = None, gate: ConnectionGate | None = None,
                  body_timeout_s: float = 60.0, max_body_bytes: int = MAX_BODY_BYTES,
-                 max_logprobs: int = DEFAULT_MAX_LOGPROBS) -> None:
+                 max_logprobs: int = DEFAULT_MAX_LOGPROBS, defaults: RequestDefaults | None = None) -> None:
         self.llm, self.admission, self.metrics, self.model = llm, admission, metrics, model
         self.stall_timeout_s = stall_timeout_s
         self.prompts = prompts or PromptEncoder(llm)
         self.api_key, self.gate = api_key, gate
         self.body_timeout_s, self.max_body_bytes = body_timeout_s, max_body_bytes
-        self.max_logprobs = max_logprobs
+        self.max_logprobs, self.defaults = max_logprobs, defaults
         self.in_flight = 0
         self.idle = asyncio.Event()
         self.idle.set()
@@ -131,7 +132,8 @@ class HTTPFrontend:
         # A request with more prompts than the queue holds could never be admitted: 400, not 429.
         queue = max(1, self.admission.max_queue_length)
         req, messages = protocol.parse(body, self.model, chat, self.llm.max_model_len, max_prompts=queue,
-                                       max_logprobs=self.max_logprobs, vocab_size=self.llm.vocab_size)
+                                       max_logprobs=self.max_logprobs, vocab_size=self.llm.vocab_size,
+                                       defaults=self.defaults)
         samples = (len(req.prompts) or 1) * req.best_of  # chat: one prompt, rendered below
         if samples > queue:
             raise APIError(f"this request makes {samples} samples (prompts x best_of/n); this server takes at most "
@@ -144,7 +146,7 @@ class HTTPFrontend:
             req.prompts = [await self.prompts.render_chat(messages or [], tools=req.tools)]
         if req.tool_plan is not None:
             req.tool_plan.family = family_of(self.llm.tokenizer.chat_template if self.llm.tokenizer else None)
-        await self._compile(req)
+        await self.prompts.compile(req.params.structured_outputs, req.structured_field or "structured_outputs")
         prompt_ids = await self.prompts.encode(req.prompts, req.prompt_field)
         if req.max_tokens_field is not None:
             for ids in prompt_ids:
@@ -168,20 +170,6 @@ class HTTPFrontend:
             self.in_flight -= 1
             if self.in_flight == 0:
                 self.idle.set()
-
-    async def _compile(self, req: protocol.GenerateRequest) -> None:
-        """The request's grammar compiled (or found in the cache) on a worker thread: never the loop or the engine."""
-        spec, name = req.params.structured_outputs, req.structured_field or "structured_outputs"
-        if spec is None:
-            return
-        if self.llm.grammars is None:
-            raise APIError(f"'{name}' needs the model's tokenizer.json, which this model lacks: remove it", name)
-        try:
-            await asyncio.to_thread(self.llm.grammars.compile, spec)
-        except ValueError as e:
-            what = "the tool's parameters schema" if name == "tool_choice" else "it"
-            raise APIError(f"'{name}' cannot be enforced: {e}. Fix {what} (llguidance's JSON schema, regex and Lark "
-                           "support) or remove it", name) from None
 
     def _admit(self, n: int) -> None:
         refusal = self.admission.check(n)
@@ -210,14 +198,22 @@ class HTTPFrontend:
             finals = [prompt_only(out) for out in finals]
         # Usage counts every sample drawn (best_of ones too: they were generated), each prompt once.
         used = protocol.usage(finals, req.best_of)
-        choices = [self._choice(i, out, req, decode) for i, out in enumerate(best(finals, req))]
-        return web.json_response(protocol.envelope(rid, self.model, req.chat, choices, False, used))
+        chosen = best(finals, req)
+        choices = [self._choice(i, out, req, decode) for i, out in enumerate(chosen)]
+        body = protocol.envelope(rid, self.model, req.chat, choices, False, used)
+        if req.chat and req.prompt_logprobs is not None:  # one prompt: at the top level, as vLLM
+            body["prompt_logprobs"] = prompt_logprobs(chosen[0], req.prompt_logprobs, decode)
+        return web.json_response(body)
 
     def _choice(self, i: int, out: RequestOutput, req: protocol.GenerateRequest, decode: Decode) -> dict[str, Any]:
         piece = protocol.choice(i, out, req.chat, decode, with_logprobs=req.logprobs_asked)
         if req.tool_plan is not None:
             piece = whole_choice(piece, req.tool_plan)
-        return echoed(out, self.prompt_text(req, i // req.n, out), piece, decode) if req.echo else piece
+        if req.echo:
+            piece = echoed(out, self.prompt_text(req, i // req.n, out), piece, decode, req.params.logprobs)
+        if not req.chat and req.prompt_logprobs is not None:
+            piece["prompt_logprobs"] = prompt_logprobs(out, req.prompt_logprobs, decode)
+        return piece
 
     def prompt_text(self, req: protocol.GenerateRequest, p: int, out: RequestOutput) -> str:
         """What echo puts in front: the prompt as sent, or its token ids decoded (special tokens kept)."""

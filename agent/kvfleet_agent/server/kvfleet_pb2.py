@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\"kvfleet_agent/server/kvfleet.proto\x12\nkvfleet.v1\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"\xfc\x05\n\x0fGenerateRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12)\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x14.kvfleet.v1.TokenIdsH\x00\x12\x17\n\nmax_tokens\x18\x04 \x01(\x05H\x01\x88\x01\x01\x12\x18\n\x0btemperature\x18\x05 \x01(\x01H\x02\x88\x01\x01\x12\x12\n\x05top_p\x18\x06 \x01(\x01H\x03\x88\x01\x01\x12\r\n\x05top_k\x18\x07 \x01(\x05\x12\x11\n\x04seed\x18\x08 \x01(\x03H\x04\x88\x01\x01\x12\x0c\n\x04stop\x18\t \x03(\t\x12\x16\n\x0estop_token_ids\x18\n \x03(\r\x12\x12\n\nignore_eos\x18\x0b \x01(\x08\x12\x15\n\x08logprobs\x18\x0c \x01(\x05H\x05\x88\x01\x01\x12\"\n\x1ainclude_stop_str_in_output\x18\r \x01(\x08\x12 \n\x13skip_special_tokens\x18\x0e \x01(\x08H\x06\x88\x01\x01\x12\x17\n\nrequest_id\x18\x0f \x01(\tH\x07\x88\x01\x01\x12\x0e\n\x01n\x18\x10 \x01(\rH\x08\x88\x01\x01\x12\x18\n\x10presence_penalty\x18\x11 \x01(\x01\x12\x19\n\x11\x66requency_penalty\x18\x12 \x01(\x01\x12\x1f\n\x12repetition_penalty\x18\x13 \x01(\x01H\t\x88\x01\x01\x12\r\n\x05min_p\x18\x14 \x01(\x01\x12>\n\nlogit_bias\x18\x15 \x03(\x0b\x32*.kvfleet.v1.GenerateRequest.LogitBiasEntry\x12\x12\n\nmin_tokens\x18\x16 \x01(\r\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x42\x08\n\x06promptB\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x07\n\x05_seedB\x0b\n\t_logprobsB\x16\n\x14_skip_special_tokensB\r\n\x0b_request_idB\x04\n\x02_nB\x15\n\x13_repetition_penalty\"9\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x01\"V\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x01\x12#\n\x03top\x18\x03 \x03(\x0b\x32\x16.kvfleet.v1.TopLogprob\"{\n\x06Sample\x12\r\n\x05index\x18\x01 \x01(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12*\n\x08logprobs\x18\x05 \x03(\x0b\x32\x18.kvfleet.v1.TokenLogprob\"\xd1\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12 \n\x05usage\x18\x05 \x01(\x0b\x32\x11.kvfleet.v1.Usage\x12*\n\x08logprobs\x18\x06 \x03(\x0b\x32\x18.kvfleet.v1.TokenLogprob\x12#\n\x07samples\x18\x07 \x03(\x0b\x32\x12.kvfleet.v1.Sample\"\x14\n\x12HealthCheckRequest\"\xa0\x01\n\x13HealthCheckResponse\x12=\n\x06status\x18\x01 \x01(\x0e\x32-.kvfleet.v1.HealthCheckResponse.ServingStatus\x12\x0e\n\x06reason\x18\x02 \x01(\t\":\n\rServingStatus\x12\x0b\n\x07UNKNOWN\x10\x00\x12\x0b\n\x07SERVING\x10\x01\x12\x0f\n\x0bNOT_SERVING\x10\x02\x32\xa2\x01\n\nGeneration\x12\x45\n\x08Generate\x12\x1b.kvfleet.v1.GenerateRequest\x1a\x1c.kvfleet.v1.GenerateResponse\x12M\n\x0eGenerateStream\x12\x1b.kvfleet.v1.GenerateRequest\x1a\x1c.kvfleet.v1.GenerateResponse0\x01\x32R\n\x06Health\x12H\n\x05\x43heck\x12\x1e.kvfleet.v1.HealthCheckRequest\x1a\x1f.kvfleet.v1.HealthCheckResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\"kvfleet_agent/server/kvfleet.proto\x12\nkvfleet.v1\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"\xd5\x06\n\x0fGenerateRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12)\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x14.kvfleet.v1.TokenIdsH\x00\x12\x17\n\nmax_tokens\x18\x04 \x01(\x05H\x01\x88\x01\x01\x12\x18\n\x0btemperature\x18\x05 \x01(\x01H\x02\x88\x01\x01\x12\x12\n\x05top_p\x18\x06 \x01(\x01H\x03\x88\x01\x01\x12\x12\n\x05top_k\x18\x07 \x01(\x05H\x04\x88\x01\x01\x12\x11\n\x04seed\x18\x08 \x01(\x03H\x05\x88\x01\x01\x12\x0c\n\x04stop\x18\t \x03(\t\x12\x16\n\x0estop_token_ids\x18\n \x03(\r\x12\x12\n\nignore_eos\x18\x0b \x01(\x08\x12\x15\n\x08logprobs\x18\x0c \x01(\x05H\x06\x88\x01\x01\x12\"\n\x1ainclude_stop_str_in_output\x18\r \x01(\x08\x12 \n\x13skip_special_tokens\x18\x0e \x01(\x08H\x07\x88\x01\x01\x12\x17\n\nrequest_id\x18\x0f \x01(\tH\x08\x88\x01\x01\x12\x0e\n\x01n\x18\x10 \x01(\rH\t\x88\x01\x01\x12\x18\n\x10presence_penalty\x18\x11 \x01(\x01\x12\x19\n\x11\x66requency_penalty\x18\x12 \x01(\x01\x12\x1f\n\x12repetition_penalty\x18\x13 \x01(\x01H\n\x88\x01\x01\x12\x12\n\x05min_p\x18\x14 \x01(\x01H\x0b\x88\x01\x01\x12>\n\nlogit_bias\x18\x15 \x03(\x0b\x32*.kvfleet.v1.GenerateRequest.LogitBiasEntry\x12\x12\n\nmin_tokens\x18\x16 \x01(\r\x12\x39\n\x12structured_outputs\x18\x17 \x01(\x0b\x32\x1d.kvfleet.v1.StructuredOutputs\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x42\x08\n\x06promptB\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x07\n\x05_seedB\x0b\n\t_logprobsB\x16\n\x14_skip_special_tokensB\r\n\x0b_request_idB\x04\n\x02_nB\x15\n\x13_repetition_penaltyB\x08\n\x06_min_p\"\x94\x01\n\x11StructuredOutputs\x12\x15\n\x0bjson_schema\x18\x01 \x01(\tH\x00\x12\x0f\n\x05regex\x18\x02 \x01(\tH\x00\x12%\n\x06\x63hoice\x18\x03 \x01(\x0b\x32\x13.kvfleet.v1.ChoicesH\x00\x12\x11\n\x07grammar\x18\x04 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x05 \x01(\x08H\x00\x42\x06\n\x04kind\"\x1a\n\x07\x43hoices\x12\x0f\n\x07\x63hoices\x18\x01 \x03(\t\"9\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x01\"V\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x01\x12#\n\x03top\x18\x03 \x03(\x0b\x32\x16.kvfleet.v1.TopLogprob\"{\n\x06Sample\x12\r\n\x05index\x18\x01 \x01(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12*\n\x08logprobs\x18\x05 \x03(\x0b\x32\x18.kvfleet.v1.TokenLogprob\"\xd1\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12 \n\x05usage\x18\x05 \x01(\x0b\x32\x11.kvfleet.v1.Usage\x12*\n\x08logprobs\x18\x06 \x03(\x0b\x32\x18.kvfleet.v1.TokenLogprob\x12#\n\x07samples\x18\x07 \x03(\x0b\x32\x12.kvfleet.v1.Sample\"\x14\n\x12HealthCheckRequest\"\xa0\x01\n\x13HealthCheckResponse\x12=\n\x06status\x18\x01 \x01(\x0e\x32-.kvfleet.v1.HealthCheckResponse.ServingStatus\x12\x0e\n\x06reason\x18\x02 \x01(\t\":\n\rServingStatus\x12\x0b\n\x07UNKNOWN\x10\x00\x12\x0b\n\x07SERVING\x10\x01\x12\x0f\n\x0bNOT_SERVING\x10\x02\x32\xa2\x01\n\nGeneration\x12\x45\n\x08Generate\x12\x1b.kvfleet.v1.GenerateRequest\x1a\x1c.kvfleet.v1.GenerateResponse\x12M\n\x0eGenerateStream\x12\x1b.kvfleet.v1.GenerateRequest\x1a\x1c.kvfleet.v1.GenerateResponse0\x01\x32R\n\x06Health\x12H\n\x05\x43heck\x12\x1e.kvfleet.v1.HealthCheckRequest\x1a\x1f.kvfleet.v1.HealthCheckResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -36,27 +36,31 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TOKENIDS']._serialized_start=50
   _globals['_TOKENIDS']._serialized_end=73
   _globals['_GENERATEREQUEST']._serialized_start=76
-  _globals['_GENERATEREQUEST']._serialized_end=840
-  _globals['_GENERATEREQUEST_LOGITBIASENTRY']._serialized_start=651
-  _globals['_GENERATEREQUEST_LOGITBIASENTRY']._serialized_end=699
-  _globals['_USAGE']._serialized_start=842
-  _globals['_USAGE']._serialized_end=899
-  _globals['_TOPLOGPROB']._serialized_start=901
-  _globals['_TOPLOGPROB']._serialized_end=948
-  _globals['_TOKENLOGPROB']._serialized_start=950
-  _globals['_TOKENLOGPROB']._serialized_end=1036
-  _globals['_SAMPLE']._serialized_start=1038
-  _globals['_SAMPLE']._serialized_end=1161
-  _globals['_GENERATERESPONSE']._serialized_start=1164
-  _globals['_GENERATERESPONSE']._serialized_end=1373
-  _globals['_HEALTHCHECKREQUEST']._serialized_start=1375
-  _globals['_HEALTHCHECKREQUEST']._serialized_end=1395
-  _globals['_HEALTHCHECKRESPONSE']._serialized_start=1398
-  _globals['_HEALTHCHECKRESPONSE']._serialized_end=1558
-  _globals['_HEALTHCHECKRESPONSE_SERVINGSTATUS']._serialized_start=1500
-  _globals['_HEALTHCHECKRESPONSE_SERVINGSTATUS']._serialized_end=1558
-  _globals['_GENERATION']._serialized_start=1561
-  _globals['_GENERATION']._serialized_end=1723
-  _globals['_HEALTH']._serialized_start=1725
-  _globals['_HEALTH']._serialized_end=1807
+  _globals['_GENERATEREQUEST']._serialized_end=929
+  _globals['_GENERATEREQUEST_LOGITBIASENTRY']._serialized_start=720
+  _globals['_GENERATEREQUEST_LOGITBIASENTRY']._serialized_end=768
+  _globals['_STRUCTUREDOUTPUTS']._serialized_start=932
+  _globals['_STRUCTUREDOUTPUTS']._serialized_end=1080
+  _globals['_CHOICES']._serialized_start=1082
+  _globals['_CHOICES']._serialized_end=1108
+  _globals['_USAGE']._serialized_start=1110
+  _globals['_USAGE']._serialized_end=1167
+  _globals['_TOPLOGPROB']._serialized_start=1169
+  _globals['_TOPLOGPROB']._serialized_end=1216
+  _globals['_TOKENLOGPROB']._serialized_start=1218
+  _globals['_TOKENLOGPROB']._serialized_end=1304
+  _globals['_SAMPLE']._serialized_start=1306
+  _globals['_SAMPLE']._serialized_end=1429
+  _globals['_GENERATERESPONSE']._serialized_start=1432
+  _globals['_GENERATERESPONSE']._serialized_end=1641
+  _globals['_HEALTHCHECKREQUEST']._serialized_start=1643
+  _globals['_HEALTHCHECKREQUEST']._serialized_end=1663
+  _globals['_HEALTHCHECKRESPONSE']._serialized_start=1666
+  _globals['_HEALTHCHECKRESPONSE']._serialized_end=1826
+  _globals['_HEALTHCHECKRESPONSE_SERVINGSTATUS']._serialized_start=1768
+  _globals['_HEALTHCHECKRESPONSE_SERVINGSTATUS']._serialized_end=1826
+  _globals['_GENERATION']._serialized_start=1829
+  _globals['_GENERATION']._serialized_end=1991
+  _globals['_HEALTH']._serialized_start=1993
+  _globals['_HEALTH']._serialized_end=2075
 # @@protoc_insertion_point(module_scope)

@@ -23,6 +23,7 @@ from kvfleet_agent.server.connections import MAX_LINGERING, ConnectionGate, Conn
 from kvfleet_agent.server.http import HTTPFrontend
 from kvfleet_agent.server.metrics import AgentMetrics
 from kvfleet_agent.server.prompts import PromptEncoder
+from kvfleet_agent.server.request_defaults import RequestDefaults
 from kvfleet_agent.worker.startup_phases import process_age_s
 from kvfleet_contract import metrics as contract
 
@@ -44,6 +45,8 @@ class ServeOptions:
     max_logprobs: int = DEFAULT_MAX_LOGPROBS  # alternatives a request may ask for per token (vLLM's flag)
     chat_template: str | None = None  # replaces the checkpoint's (--chat-template); needs a tokenizer
     metrics_compat: str | None = None  # --metrics-compat: kvfleet or vllm; None reads KVFLEET_METRICS_COMPAT
+    # --generation-config: values for the sampling fields a request omits (HTTP and gRPC alike)
+    request_defaults: RequestDefaults = field(default_factory=RequestDefaults)
 
 
 _FD_RESERVE = 128  # descriptors kept for everything but client connections: files, pipes, gRPC, logs
@@ -88,7 +91,8 @@ async def serve(engine_config: EngineConfig, opts: ServeOptions) -> int:
     # The listener is ours rather than a TCPSite: this gate between it and aiohttp caps connections.
     gate = ConnectionGate(limits.max_connections, limits.header_timeout_s)
     http = HTTPFrontend(llm, admission, metrics, opts.served_model_name, prompts=prompts, api_key=api_key,
-                        gate=gate, body_timeout_s=limits.body_timeout_s, max_logprobs=opts.max_logprobs)
+                        gate=gate, body_timeout_s=limits.body_timeout_s, max_logprobs=opts.max_logprobs,
+                        defaults=opts.request_defaults)
     # handler_cancellation: a client that hangs up cancels its handler, which aborts its request.
     # keepalive_timeout closes idle connections, and (aiohttp does not restart it on partial data)
     # those that never finish a request head; auto_decompress off: compressed bodies are refused.
@@ -104,10 +108,14 @@ async def serve(engine_config: EngineConfig, opts: ServeOptions) -> int:
 
         grpc_server, grpc_port = await start_grpc_server(llm, admission, opts.served_model_name, opts.host,
                                                          opts.grpc_port, api_key=api_key, prompts=prompts,
-                                                         limits=limits, max_logprobs=opts.max_logprobs)
+                                                         limits=limits, max_logprobs=opts.max_logprobs,
+                                                         defaults=opts.request_defaults)
     pids = llm.worker_pids()
     if pids:  # machine-readable too: supervisors and tests can watch (or kill) the tensor-parallel ranks
         print(f"kvfleet-agent workers: {' '.join(map(str, pids))}", flush=True)
+    if opts.request_defaults.source is not None:  # as vLLM, said once: a request's results depend on it
+        log.info("requests that omit them default to %s (from %s; --generation-config vllm ignores it)",
+                 opts.request_defaults.describe() or "the built-in values", opts.request_defaults.source)
     if api_key is not None:
         log.info("an API key is required on /v1 routes and gRPC Generation calls")
     # From here /ready answers 200: both front ends listen and the engine is loaded, warmed up and alive.

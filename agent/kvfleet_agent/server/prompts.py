@@ -1,4 +1,5 @@
-"""Prompt text to token ids for both front ends: bounded first, tokenized off the event loop, fitted to the context."""
+"""Prompt text to token ids for both front ends: bounded first, tokenized off the event loop, fitted to the context;
+and output constraints compiled off the event loop."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from typing import Any, TypeVar
 from kvfleet_agent.engine.async_llm import AsyncLLM
 from kvfleet_agent.server.protocol import APIError
 from kvfleet_agent.server.token_bound import max_chars_per_token
+from kvfleet_agent.structured_outputs import StructuredOutputs
 
 T = TypeVar("T")
 
@@ -24,7 +26,7 @@ class PromptEncoder:
     """
 
     def __init__(self, llm: AsyncLLM, threads: int = 2) -> None:
-        self.tokenizer = llm.tokenizer
+        self.tokenizer, self.grammars = llm.tokenizer, llm.grammars
         self.max_model_len = llm.max_model_len
         bound = max_chars_per_token(self.tokenizer.backend) if self.tokenizer is not None else None
         self.chars_per_token = bound
@@ -78,6 +80,19 @@ class PromptEncoder:
                                f"{self.max_model_len} tokens, and the prompt must leave room for at least one "
                                "generated token: shorten it", name)
         return out
+
+    async def compile(self, spec: StructuredOutputs | None, name: str) -> None:
+        """The constraint compiled (or found in the cache) on a worker thread: never the loop or the engine."""
+        if spec is None:
+            return
+        if self.grammars is None:
+            raise APIError(f"'{name}' needs the model's tokenizer.json, which this model lacks: remove it", name)
+        try:
+            await asyncio.to_thread(self.grammars.compile, spec)
+        except ValueError as e:
+            what = "the tool's parameters schema" if name == "tool_choice" else "it"
+            raise APIError(f"'{name}' cannot be enforced: {e}. Fix {what} (llguidance's JSON schema, regex and Lark "
+                           "support) or remove it", name) from None
 
     def check_fits(self, prompt_tokens: int, max_tokens: int, prompt_name: str, max_tokens_name: str) -> None:
         """Refuse (as vLLM does) a request whose prompt plus max_tokens exceeds the context, naming both."""

@@ -26,6 +26,7 @@ from kvfleet_agent.server.api.render import choice, envelope, new_id, usage
 from kvfleet_agent.server.api.requests import ChatCompletionRequest, CompletionRequest
 from kvfleet_agent.server.api.structured import structured_of
 from kvfleet_agent.server.api.tools import ToolPlan, tools_of
+from kvfleet_agent.server.request_defaults import RequestDefaults
 
 __all__ = ["MAX_STOP_TOKEN_IDS", "APIError", "GenerateRequest", "check_text", "choice", "envelope", "new_id",
            "parse", "usage"]
@@ -50,6 +51,7 @@ class GenerateRequest:
     prompt_only: bool = False  # max_tokens 0 with echo: run for one token (the engine needs one), return none
     continuous_usage: bool = False  # streamed: usage so far in every chunk (vLLM's continuous_usage_stats)
     structured_field: str | None = None  # the field that constrained the output (params.structured_outputs)
+    prompt_logprobs: int | None = None  # vLLM's prompt_logprobs as asked (params' may be raised by echo's logprobs)
     tools: list[dict[str, Any]] | None = None  # for the chat template
     tool_plan: ToolPlan | None = None  # how the output becomes tool calls
 
@@ -66,13 +68,14 @@ class GenerateRequest:
 
 
 def parse(body: Any, served_model: str, chat: bool, max_model_len: int, max_prompts: int | None = None, *,
-          max_logprobs: int = DEFAULT_MAX_LOGPROBS, vocab_size: int | None = None
-          ) -> tuple[GenerateRequest, list[dict[str, Any]] | None]:
+          max_logprobs: int = DEFAULT_MAX_LOGPROBS, vocab_size: int | None = None,
+          defaults: RequestDefaults | None = None) -> tuple[GenerateRequest, list[dict[str, Any]] | None]:
     """Validate a /v1/completions or /v1/chat/completions body; returns the request and chat messages.
 
     max_tokens defaults to 16 for completions (as OpenAI) and, for chat, to the rest of the context.
     Only what the body alone decides is checked here: prompt lengths in tokens are checked once
     tokenized (prompts.py). Sizes are checked before contents, so a huge list is refused in O(1).
+    defaults: --generation-config's values for the sampling fields the body omits, and its max_tokens cap.
     """
     if not isinstance(body, dict):
         raise APIError("the request body must be a JSON object")
@@ -108,7 +111,10 @@ def parse(body: Any, served_model: str, chat: bool, max_model_len: int, max_prom
     if stream and best_of > n:
         raise APIError("'best_of' above 'n' cannot stream: the best samples are known only at the end", "best_of")
     echo = not chat and bool(r.echo)
-    params, max_tokens_field, asked = _sampling(r, chat, max_model_len, max_logprobs, vocab_size, echo)
+    if stream and r.prompt_logprobs is not None:  # as vLLM: they would all come before the first token
+        raise APIError("'prompt_logprobs' cannot be used with stream: drop one of them", "prompt_logprobs")
+    params, max_tokens_field, asked = _sampling(r, chat, max_model_len, max_logprobs, vocab_size, echo,
+                                                defaults or RequestDefaults())
     if best_of > n and params.logprobs is None:
         params = replace(params, logprobs=0)  # ranking the samples needs each token's logprob
     wants_usage = r.stream_options.include_usage if r.stream_options is not None else None
@@ -137,11 +143,12 @@ def parse(body: Any, served_model: str, chat: bool, max_model_len: int, max_prom
     return GenerateRequest(prompts, params, stream, include_usage, chat, max_tokens_field=max_tokens_field,
                            n=n, best_of=best_of, logprobs_asked=asked, echo=echo,
                            prompt_only=echo and r.max_tokens == 0, continuous_usage=continuous,
-                           structured_field=structured_field, tools=tools, tool_plan=plan), messages
+                           structured_field=structured_field, tools=tools, tool_plan=plan,
+                           prompt_logprobs=r.prompt_logprobs), messages
 
 
-def _sampling(r: Any, chat: bool, max_model_len: int, max_logprobs: int, vocab_size: int | None, echo: bool
-              ) -> tuple[SamplingParams, str | None, bool]:
+def _sampling(r: Any, chat: bool, max_model_len: int, max_logprobs: int, vocab_size: int | None, echo: bool,
+              defaults: RequestDefaults) -> tuple[SamplingParams, str | None, bool]:
     """SamplingParams, the field (as the client spelled it) that set max_tokens, and whether logprobs were asked."""
     # SamplingParams names its own fields; the client may have used OpenAI's other names for them.
     spelled = {"max_tokens": "max_tokens", "logprobs": "top_logprobs" if chat else "logprobs"}
@@ -167,24 +174,29 @@ def _sampling(r: Any, chat: bool, max_model_len: int, max_logprobs: int, vocab_s
         logprobs = (r.top_logprobs or 0) if r.logprobs else None
     else:
         logprobs = r.logprobs
-    if logprobs is not None and logprobs > max_logprobs:
-        name = spelled["logprobs"]
-        raise APIError(f"'{name}'={logprobs} is above this server's limit of {max_logprobs} (--max-logprobs): "
-                       "ask for fewer", name)
+    for name, k in ((spelled["logprobs"], logprobs), ("prompt_logprobs", r.prompt_logprobs)):
+        if k is not None and k > max_logprobs:
+            raise APIError(f"'{name}'={k} is above this server's limit of {max_logprobs} (--max-logprobs): "
+                           "ask for fewer", name)
+    # Echo with logprobs scores the prompt too: one computation serves both, with the larger k (echo trims).
+    asked_prompt = [k for k in (logprobs if echo else None, r.prompt_logprobs) if k is not None]
+    given = defaults.omitted({"temperature": r.temperature, "top_p": r.top_p, "top_k": r.top_k, "min_p": r.min_p,
+                              "repetition_penalty": r.repetition_penalty})
     try:
         params = SamplingParams(
-            max_tokens=max_tokens, temperature=_or(r.temperature, 1.0), top_p=_or(r.top_p, 1.0),
-            top_k=_or(r.top_k, 0), seed=r.seed, stop=stop, stop_token_ids=r.stop_token_ids or [],
+            max_tokens=max_tokens, temperature=given.get("temperature", 1.0), top_p=given.get("top_p", 1.0),
+            top_k=given.get("top_k", 0), seed=r.seed, stop=stop, stop_token_ids=r.stop_token_ids or [],
             ignore_eos=bool(r.ignore_eos), include_stop_str_in_output=bool(r.include_stop_str_in_output),
             logprobs=logprobs, skip_special_tokens=_or(r.skip_special_tokens, True),
-            prompt_logprobs=logprobs if echo else None,
+            prompt_logprobs=max(asked_prompt) if asked_prompt else None,
             presence_penalty=_or(r.presence_penalty, 0.0), frequency_penalty=_or(r.frequency_penalty, 0.0),
-            repetition_penalty=_or(r.repetition_penalty, 1.0), min_p=_or(r.min_p, 0.0),
+            repetition_penalty=given.get("repetition_penalty", 1.0), min_p=given.get("min_p", 0.0),
             logit_bias=_logit_bias(r.logit_bias, vocab_size), min_tokens=_or(r.min_tokens, 0))
     except ValueError as e:  # SamplingParams names the field as SamplingParams.<name>=<value> is invalid: ...
         internal, rest = str(e).removeprefix("SamplingParams.").split("=", 1)
         name = spelled.get(internal, internal)
         raise APIError(f"'{name}'={rest}", name) from None
+    params = defaults.cap(params)
     if params.min_tokens > params.max_tokens:
         raise APIError(f"'min_tokens'={params.min_tokens} is above max_tokens={params.max_tokens}: lower it",
                        "min_tokens")

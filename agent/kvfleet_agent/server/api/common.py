@@ -67,6 +67,8 @@ class SamplingFields(Strict):
     logit_bias: dict[_TokenKey, _Bias] | None = Field(None, max_length=MAX_LOGIT_BIAS,
                                                 description="token id (as a string) → bias in [-100, 100]")
     skip_special_tokens: bool | None = None
+    prompt_logprobs: int | None = Field(None, ge=0, description="vLLM: the prompt tokens' logprobs with this many "
+                                        "alternatives; at most --max-logprobs; not with stream")
     stream: bool | None = None
     stream_options: StreamOptions | None = None
     user: str | None = Field(None, description="an end-user id, as in OpenAI's API: not used")
@@ -89,7 +91,6 @@ REFUSED: dict[str, tuple[tuple[Any, ...], str]] = {
     "logits_processors": ((), "custom logits processors are not supported"),
     "return_tokens_as_token_ids": ((False,), "return_tokens_as_token_ids is not supported"),
     "return_token_ids": ((False,), "return_token_ids is not supported"),
-    "prompt_logprobs": ((), "prompt_logprobs is not supported: use echo with logprobs on /v1/completions"),
     "spaces_between_special_tokens": ((True,), "special tokens are always decoded with spaces between them"),
     "add_special_tokens": ((), "add_special_tokens is not supported: send token ids for full control"),
     "priority": ((0,), "request priorities are not supported: the queue is first come, first served"),

@@ -49,13 +49,20 @@ def _legacy(steps: list[Logprob | None], ids: list[int], decode: Decode, offset:
             "text_offset": offsets}
 
 
-def echoed(out: RequestOutput, prompt_text: str, piece: dict[str, Any], decode: Decode) -> dict[str, Any]:
-    """A completions choice (or a stream's first piece of it) with the prompt, and its logprobs, in front."""
+def echoed(out: RequestOutput, prompt_text: str, piece: dict[str, Any], decode: Decode,
+           top_k: int | None = None) -> dict[str, Any]:
+    """A completions choice (or a stream's first piece of it) with the prompt, and its logprobs, in front.
+
+    top_k: the alternatives logprobs asked for, when prompt_logprobs asked the engine for more.
+    """
     lp = piece["logprobs"]
     piece = {**piece, "text": prompt_text + piece["text"]}
     if lp is not None:
         ids = out.prompt_token_ids
-        head = _legacy(list(out.prompt_logprobs or [None] * len(ids)), ids, decode, 0)
+        steps = list(out.prompt_logprobs or [None] * len(ids))
+        if top_k is not None:  # top is in descending order (torch.topk's)
+            steps = [None if s is None else replace(s, top=dict(list(s.top.items())[:top_k])) for s in steps]
+        head = _legacy(steps, ids, decode, 0)
         end = head["text_offset"][-1] + len(head["tokens"][-1])
         piece["logprobs"] = {key: head[key] + ([o + end for o in lp[key]] if key == "text_offset" else lp[key])
                              for key in head}
@@ -105,3 +112,21 @@ def envelope(rid: str, model: str, chat: bool, choices: list[dict[str, Any]], st
 def cumulative_logprob(out: RequestOutput) -> float:
     """The sum of a sample's token logprobs: how best_of ranks its samples (vLLM's cumulative_logprob)."""
     return sum(lp.logprob for lp in out.outputs[0].logprobs or [])
+
+
+def prompt_logprobs(out: RequestOutput, k: int, decode: Decode) -> list[dict[str, dict[str, Any]] | None]:
+    """vLLM's prompt_logprobs: per prompt token (None first), {token id: {logprob, rank, decoded_token}} of the token
+    itself and its top k alternatives; an alternative's rank is its place among the top (ties share a rank)."""
+    rendered: list[dict[str, dict[str, Any]] | None] = []
+    for lp in out.prompt_logprobs or [None] * len(out.prompt_token_ids):
+        if lp is None:
+            rendered.append(None)
+            continue
+        # The prompt token first, then its alternatives (as vLLM orders them).
+        entry = {str(lp.token_id): {"logprob": lp.logprob, "rank": lp.rank, "decoded_token": decode(lp.token_id)}}
+        top = list(lp.top.items())[:k]
+        for t, v in top:
+            # Every vocabulary entry above a top-k value is itself in the top k, so counting there is exact.
+            entry.setdefault(str(t), {"logprob": v, "rank": 1 + sum(o > v for _, o in top), "decoded_token": decode(t)})
+        rendered.append(entry)
+    return rendered

@@ -32,6 +32,17 @@ class CompletionLogprobs(Response):
     text_offset: list[int]
 
 
+class PromptLogprob(Response):
+    """vLLM's prompt_logprobs entry for one token id."""
+
+    logprob: float
+    rank: int = Field(ge=1, description="1 + the vocabulary entries with a higher logprob")
+    decoded_token: str
+
+
+PromptLogprobs = list[dict[str, PromptLogprob] | None] | None  # per prompt token: token id → entry; null first
+
+
 class CompletionChoice(Response):
     """One choice of a completion (or, streamed, its next piece)."""
 
@@ -39,6 +50,7 @@ class CompletionChoice(Response):
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: FinishReason = None
+    prompt_logprobs: PromptLogprobs = Field(None, description="with prompt_logprobs (vLLM's shape)")
 
 
 class CompletionResponse(Response):
@@ -98,6 +110,7 @@ class ChatCompletionResponse(Response):
     model: str
     choices: list[ChatChoice]
     usage: Usage | None = None
+    prompt_logprobs: PromptLogprobs = Field(None, description="with prompt_logprobs (vLLM's shape)")
 
 
 class ChatDelta(Response):

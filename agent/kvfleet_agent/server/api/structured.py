@@ -72,19 +72,20 @@ def structured_of(r: StructuredFields) -> tuple[StructuredOutputs | None, str | 
                            f"{sorted(kinds) or 'none'}", "structured_outputs")
         (kind, value), = kinds.items()
         flexible = so.disable_any_whitespace is False
-        found.append(("structured_outputs", _spec(kind, value, f"structured_outputs.{kind}", flexible)))
+        found.append(("structured_outputs", constraint_of(kind, value, f"structured_outputs.{kind}", flexible)))
     for kind, name in (("json", "guided_json"), ("regex", "guided_regex"), ("choice", "guided_choice"),
                        ("grammar", "guided_grammar")):
         value = getattr(r, name)
         if value is not None:
-            found.append((name, _spec(kind, value, name, False)))
+            found.append((name, constraint_of(kind, value, name, False)))
     if len(found) > 1:
         names = [n for n, _ in found]
         raise APIError(f"{' and '.join(repr(n) for n in names)} both constrain the output: give only one", names[1])
     return (found[0][1], found[0][0]) if found else (None, None)
 
 
-def _spec(kind: str, value: Any, name: str, flexible: bool) -> StructuredOutputs:
+def constraint_of(kind: str, value: Any, name: str, flexible: bool) -> StructuredOutputs:
+    """One constraint's StructuredOutputs (a schema as JSON text parsed), checked; errors name the field `name`."""
     if kind == "json" and isinstance(value, str):
         try:
             value = json.loads(value)
