@@ -58,8 +58,14 @@ def test_an_idle_fleet_goes_to_zero_after_the_window_and_says_why(cluster: Local
 
     # Two rounds to read the request counters twice, the idle window, a round to notice: well under a minute.
     wait_for("the scale to zero", lambda: deployment_replicas() == 0, timeout=4 * INTERVAL_S + IDLE_S + 30)
-    history = get_cr(cluster, namespace, name)["status"]["autoscaling"]["history"]
-    to_zero = next(h for h in history if h["desiredReplicas"] == 0)
+
+    def decision_to_zero() -> tuple[list[dict[str, Any]], dict[str, Any]] | None:
+        # The replicas are applied first, then the decision is written to status (a moment later).
+        history = get_cr(cluster, namespace, name).get("status", {}).get("autoscaling", {}).get("history", [])
+        found = next((h for h in history if h["desiredReplicas"] == 0), None)
+        return (history, found) if found is not None else None
+
+    history, to_zero = wait_for("the decision to zero in status", decision_to_zero, timeout=2 * INTERVAL_S)
     assert to_zero["reason"].startswith("idle for ") and "scale-to-zero window 10s" in to_zero["reason"], history
     assert "none held at 1 router" in to_zero["reason"], history
     idle_for = float(to_zero["reason"].removeprefix("idle for ").split("s", 1)[0])

@@ -7,6 +7,7 @@ import threading
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import fleet_client
 import pytest
@@ -61,9 +62,13 @@ def test_a_request_held_at_zero_replicas_is_served_once_the_operator_scales_up(z
         sender.join(timeout=240)
     outcome = result[0].outcomes[0]
     assert outcome.fate == "done" and outcome.text, outcome
-    history = get_cr(f.cluster, f.namespace, f.name)["status"]["autoscaling"]["history"]
-    up = [h for h in history if h["currentReplicas"] == 0 and h["desiredReplicas"] == 1]
-    assert up and "held at the router" in up[-1]["reason"], history
+
+    def scale_from_zero() -> list[dict[str, Any]] | None:
+        history = get_cr(f.cluster, f.namespace, f.name).get("status", {}).get("autoscaling", {}).get("history", [])
+        return [h for h in history if h["currentReplicas"] == 0 and h["desiredReplicas"] == 1] or None
+
+    up = wait_for("the decision from zero in status", scale_from_zero, timeout=2 * INTERVAL_S)
+    assert "held at the router" in up[-1]["reason"], up
     router = metrics(f.cluster, f.router_ip(), ROUTER_PORT)
     assert total(router, "kvfleet_router_hold_seconds_count") >= 1
     print(f"\nheld {total(router, 'kvfleet_router_hold_seconds_sum'):.1f}s at zero replicas, then served; "
