@@ -153,6 +153,20 @@ def test_a_tool_result_turn_renders_through_the_template(agent: AgentProcess, cl
     assert "<tool_response>sunny, 21</tool_response>" in text and '"city": "Oslo"' in text
 
 
+def test_langchain_json_mode(agent: AgentProcess, client: openai.OpenAI) -> None:
+    # json_object bounds nothing, and a random model never chooses to close a string or an object, so the client
+    # nudges it with a standard OpenAI parameter (logit_bias on "}"); the grammar alone makes every output JSON.
+    tokens = client.post("/../tokenize", body={"model": MODEL, "prompt": "}", "add_special_tokens": False},
+                         cast_to=object)["tokens"]  # type: ignore[index]
+    assert len(tokens) == 1
+    llm = ChatOpenAI(model=MODEL, base_url=agent.url + "/v1", api_key="unused", max_retries=0,  # type: ignore
+                     max_completion_tokens=60, seed=3, logit_bias={tokens[0]: 30})
+    schema = {"title": "Anything", "description": "any JSON object", "type": "object"}
+    for prompt in ("an object", "another object", "a third one"):
+        out = llm.with_structured_output(schema, method="json_mode").invoke(prompt)
+        assert isinstance(out, dict), out
+
+
 def test_langchain_structured_output_and_bound_tools(agent: AgentProcess) -> None:
     llm = ChatOpenAI(model=MODEL, base_url=agent.url + "/v1", api_key="unused", max_retries=0,  # type: ignore
                      max_completion_tokens=300, seed=1)
