@@ -6,6 +6,7 @@ from __future__ import annotations
 import base64
 import json
 import os
+import re
 import sys
 from pathlib import Path
 from typing import Any
@@ -107,6 +108,14 @@ class Operator:
 
     def log(self) -> str:
         return tail(self.proc.log, 80) if self.proc is not None else "(not running)"
+
+    def metrics_port(self) -> int:
+        """The port of its /healthz and /metrics in the pod network (it binds port 0: the one it logged)."""
+        assert self.proc is not None
+        log = self.proc.log
+        found = wait_for("the operator's metrics port in its log", lambda: re.findall(
+            r"health and metrics on port (\d+)", log.read_text(errors="replace")), timeout=30)
+        return int(found[-1])
 
 
 def get_cr(cluster: LocalCluster, namespace: str, name: str) -> dict[str, Any]:
