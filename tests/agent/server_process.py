@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
@@ -9,7 +10,9 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 READY = re.compile(r"kvfleet-agent ready: http://([\d.]+):(\d+) grpc=(\S+)")
 
@@ -66,3 +69,13 @@ def start_agent(model_dir: str, *flags: str, timeout: float = 120.0, env: dict[s
     # Keep draining stdout so the agent never blocks on a full pipe; keep the lines for failures.
     threading.Thread(target=lambda: lines.extend(iter(proc.stdout.readline, "")), daemon=True).start()
     return agent
+
+
+@contextlib.contextmanager
+def running_agent(model_dir: str, *flags: str, **options: Any) -> Iterator[AgentProcess]:
+    """start_agent() for the length of a with-block; the agent must then exit cleanly (its log is the message)."""
+    a = start_agent(model_dir, *flags, **options)
+    try:
+        yield a
+    finally:
+        assert a.stop() == 0, "".join(a.lines)

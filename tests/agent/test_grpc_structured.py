@@ -10,7 +10,7 @@ from collections.abc import Callable, Iterator
 import grpc
 import jsonschema
 import pytest
-from server_process import AgentProcess, start_agent
+from server_process import AgentProcess, running_agent
 
 from kvfleet_agent.server import kvfleet_pb2 as pb
 from kvfleet_agent.server import kvfleet_pb2_grpc as pb_grpc
@@ -27,11 +27,8 @@ SCHEMA = {
 
 @pytest.fixture(scope="module")
 def agent(tiny_checkpoint: Callable[..., str]) -> Iterator[AgentProcess]:
-    a = start_agent(tiny_checkpoint("llama", max_position_embeddings=2048), "--max-model-len", "2048")
-    try:
+    with running_agent(tiny_checkpoint("llama", max_position_embeddings=2048), "--max-model-len", "2048") as a:
         yield a
-    finally:
-        assert a.stop() == 0, "".join(a.lines)
 
 
 @pytest.fixture(scope="module")

@@ -16,7 +16,7 @@ import grpc
 import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
-from server_process import AgentProcess, start_agent
+from server_process import AgentProcess, running_agent, start_agent
 
 from kvfleet_agent import LLM, SamplingParams
 from kvfleet_agent.server import kvfleet_pb2 as pb
@@ -34,11 +34,9 @@ def model_dir(tiny_checkpoint: Callable[..., str]) -> str:
 
 @pytest.fixture(scope="module")
 def agent(model_dir: str) -> Iterator[AgentProcess]:
-    a = start_agent(model_dir, "--served-model-name", "tiny", "--max-num-seqs", "32", "--max-queue-length", "64")
-    try:
+    with running_agent(model_dir, "--served-model-name", "tiny", "--max-num-seqs", "32",
+                       "--max-queue-length", "64") as a:
         yield a
-    finally:
-        assert a.stop() == 0, "".join(a.lines)
 
 
 @pytest.fixture(scope="module")

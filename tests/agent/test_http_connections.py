@@ -12,7 +12,7 @@ import time
 from collections.abc import Callable, Iterator
 
 import pytest
-from server_process import AgentProcess, start_agent
+from server_process import AgentProcess, running_agent, start_agent
 
 KEEP_ALIVE_S = 3.0
 HEADER_S = 1.0
@@ -28,12 +28,9 @@ def model_dir(tiny_checkpoint: Callable[..., str]) -> str:
 
 @pytest.fixture(scope="module")
 def agent(model_dir: str) -> Iterator[AgentProcess]:
-    a = start_agent(model_dir, "--served-model-name", "tiny", "--keep-alive-timeout", str(KEEP_ALIVE_S),
-                    "--header-timeout", str(HEADER_S), "--body-timeout", str(BODY_S))
-    try:
+    with running_agent(model_dir, "--served-model-name", "tiny", "--keep-alive-timeout", str(KEEP_ALIVE_S),
+                    "--header-timeout", str(HEADER_S), "--body-timeout", str(BODY_S)) as a:
         yield a
-    finally:
-        assert a.stop() == 0, "".join(a.lines)
 
 
 def _connect(agent: AgentProcess) -> socket.socket:

@@ -9,7 +9,7 @@ from typing import Any
 
 import openai
 import pytest
-from server_process import AgentProcess, start_agent
+from server_process import AgentProcess, running_agent
 
 from kvfleet_agent import LLM, SamplingParams
 from kvfleet_agent.server.api import responses
@@ -25,11 +25,9 @@ def model_dir(tiny_checkpoint: Callable[..., str]) -> str:
 @pytest.fixture(scope="module")
 def agent(model_dir: str) -> Iterator[AgentProcess]:
     # A small token budget, so a prompt's logprobs come from several prefill chunks.
-    a = start_agent(model_dir, "--served-model-name", MODEL, "--max-logprobs", "5", "--max-num-batched-tokens", "24")
-    try:
+    with running_agent(model_dir, "--served-model-name", MODEL, "--max-logprobs", "5",
+                       "--max-num-batched-tokens", "24") as a:
         yield a
-    finally:
-        assert a.stop() == 0, "".join(a.lines)
 
 
 @pytest.fixture(scope="module")

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import grpc
 import pytest
-from server_process import AgentProcess, start_agent
+from server_process import AgentProcess, running_agent
 
 from kvfleet_agent.server import kvfleet_pb2 as pb
 
@@ -245,12 +245,9 @@ CLIENT_CODES = {"INVALID_ARGUMENT", "UNAUTHENTICATED", "UNIMPLEMENTED", "RESOURC
 
 @pytest.fixture(scope="module")
 def agent(tiny_checkpoint: Callable[..., str]) -> Iterator[AgentProcess]:
-    a = start_agent(tiny_checkpoint("llama"), "--served-model-name", "tiny", "--api-key", KEY,
-                    "--max-queue-length", str(QUEUE))
-    try:
+    with running_agent(tiny_checkpoint("llama"), "--served-model-name", "tiny", "--api-key", KEY,
+                    "--max-queue-length", str(QUEUE)) as a:
         yield a
-    finally:
-        assert a.stop() == 0, "".join(a.lines)
 
 
 def test_the_catalogue_is_large() -> None:

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from server_process import AgentProcess, start_agent
+from server_process import AgentProcess, running_agent
 
 from kvfleet_agent import LLM, SamplingParams
 from kvfleet_agent.models.tokenizer import Tokenizer
@@ -33,11 +33,8 @@ def model_dir(tiny_checkpoint: Callable[..., str]) -> str:
 
 @pytest.fixture(scope="module")
 def agent(model_dir: str) -> Iterator[AgentProcess]:
-    a = start_agent(model_dir, "--served-model-name", MODEL, "--max-model-len", "256")
-    try:
+    with running_agent(model_dir, "--served-model-name", MODEL, "--max-model-len", "256") as a:
         yield a
-    finally:
-        assert a.stop() == 0, "".join(a.lines)
 
 
 @pytest.fixture(scope="module")

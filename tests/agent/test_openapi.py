@@ -17,7 +17,7 @@ import pytest
 import schemathesis
 from hypothesis import HealthCheck, settings
 from schemathesis.specs.openapi.checks import positive_data_acceptance
-from server_process import AgentProcess, start_agent
+from server_process import AgentProcess, running_agent
 
 from kvfleet_agent.server.openapi import openapi_document
 
@@ -30,11 +30,9 @@ schema = schemathesis.openapi.from_dict(openapi_document(MODEL, secured=True))
 
 @pytest.fixture(scope="module")
 def agent(tiny_checkpoint: Callable[..., str]) -> Iterator[AgentProcess]:
-    a = start_agent(tiny_checkpoint("llama"), "--served-model-name", MODEL, "--api-key", KEY, "--max-model-len", "64")
-    try:
+    with running_agent(tiny_checkpoint("llama"), "--served-model-name", MODEL, "--api-key", KEY,
+                       "--max-model-len", "64") as a:
         yield a
-    finally:
-        assert a.stop() == 0, "".join(a.lines)
 
 
 def test_the_agent_serves_the_document_under_test(agent: AgentProcess) -> None:

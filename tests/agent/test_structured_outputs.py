@@ -14,7 +14,7 @@ import pytest
 from langchain_core.messages import AIMessage
 from langchain_openai import ChatOpenAI
 from pydantic import BaseModel, Field
-from server_process import AgentProcess, start_agent
+from server_process import AgentProcess, running_agent
 
 MODEL = "tiny"
 # Hermes-style (Qwen 2.5, NousResearch): tools in the system turn, calls and results in tags.
@@ -61,11 +61,8 @@ def agent(tiny_checkpoint: Callable[..., str], tmp_path_factory: pytest.TempPath
     model = tmp_path_factory.mktemp("hermes") / "model"
     shutil.copytree(tiny_checkpoint("llama", max_position_embeddings=2048), model)
     (model / "chat_template.jinja").write_text(HERMES_TEMPLATE)
-    a = start_agent(str(model), "--served-model-name", MODEL)
-    try:
+    with running_agent(str(model), "--served-model-name", MODEL) as a:
         yield a
-    finally:
-        assert a.stop() == 0, "".join(a.lines)
 
 
 @pytest.fixture(scope="module")

@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-from server_process import AgentProcess, start_agent
+from server_process import AgentProcess, running_agent
 
 MODEL = "tiny"
 OFFLINE = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
@@ -31,11 +31,8 @@ def model_dir(tiny_checkpoint: Callable[..., str]) -> str:
 
 @pytest.fixture(scope="module")
 def agent(model_dir: str) -> Iterator[AgentProcess]:
-    a = start_agent(model_dir, "--served-model-name", MODEL, "--max-model-len", "256", positional=True)
-    try:
+    with running_agent(model_dir, "--served-model-name", MODEL, "--max-model-len", "256", positional=True) as a:
         yield a
-    finally:
-        assert a.stop() == 0, "".join(a.lines)
 
 
 @pytest.mark.slow
