@@ -42,8 +42,10 @@ FLOORS: dict[str, list[list[str]]] = {
     ],
     "kvfleet_router": [
         ["kvfleet_router.picker", "kvfleet_router.prefix", "kvfleet_router.hold_queue", "kvfleet_router.metrics",
-         "kvfleet_router.kube"],
-        ["kvfleet_router.fleet"],
+         "kvfleet_router.kube", "kvfleet_router.tier_config", "kvfleet_router.classifier",
+         "kvfleet_router.agreement", "kvfleet_router.promotion"],
+        ["kvfleet_router.fleet", "kvfleet_router.tiering"],
+        ["kvfleet_router.quality"],
         ["kvfleet_router.proxy", "kvfleet_router.discovery"],
         ["kvfleet_router", "kvfleet_router.cli", "kvfleet_router.bench"],
     ],

@@ -52,6 +52,15 @@ ROUTER_HELD_REQUESTS: Final = "kvfleet_router_held_requests"
 # The held gauge's labels: the served model name, and the InferenceDeployment serving it (empty for static endpoints).
 NAMESPACE_LABEL: Final = "namespace"
 DEPLOYMENT_LABEL: Final = "inference_deployment"
+# Complexity tiers (an InferenceRouter's spec.tieredModels): the families the operator reads into the router's
+# status. Requests by tier and class (the traffic shares); each class's promotion (tiers above its base tier now);
+# the mean agreement with the top tier of each tier's last closed quality window.
+ROUTER_TIER_REQUESTS: Final = "kvfleet_router_tier_requests"
+ROUTER_TIER_PROMOTION: Final = "kvfleet_router_tier_promotion"
+ROUTER_TIER_WINDOW_QUALITY: Final = "kvfleet_router_tier_window_quality"
+TIERED_MODEL_LABEL: Final = "model"  # the public name the tiers stand for
+TIER_LABEL: Final = "tier"  # a tier's served model name
+CLASS_LABEL: Final = "class"
 
 # The opt-in vLLM view (KVFLEET_METRICS_COMPAT=vllm on the agent): vLLM's own family names, labels and bucket
 # bounds, so its published dashboards, llm-d's endpoint-picker flags and KEDA recipes read kvfleet unmodified.

@@ -21,6 +21,7 @@ from kvfleet_router.fleet import Fleet
 from kvfleet_router.hold_queue import HoldQueue
 from kvfleet_router.kube import SA_DIR, KubeClient, KubeConfigError, load_config, own_namespace
 from kvfleet_router.proxy import serve, static_endpoints, wire
+from kvfleet_router.tier_config import load_tiers
 
 log = logging.getLogger("kvfleet_router")
 NAMESPACE = re.compile(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?")  # a DNS-1123 label
@@ -44,6 +45,9 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--scrape-interval", type=float, default=0.25, help="seconds between scrapes of each agent")
     p.add_argument("--hold-queue-size", type=int, default=256, help="requests held per model with no replica")
     p.add_argument("--hold-timeout", type=float, default=120.0, help="seconds a held request may wait")
+    p.add_argument("--tiers", metavar="JSON|@PATH",
+                   help="tiered models: a JSON list (an InferenceRouter's spec.tieredModels), or @PATH of a JSON or "
+                        "YAML file: one model name for served models cheapest first, a classifier, a quality monitor")
     p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     a = p.parse_args(argv)
     if a.epsilon < 0:
@@ -53,6 +57,7 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
     try:
         a.endpoints = static_endpoints(a.endpoint)
         a.holds = HoldQueue(a.hold_queue_size, a.hold_timeout)
+        a.tiered = load_tiers(a.tiers) if a.tiers else {}
     except ValueError as e:
         p.error(str(e))
     if a.kubernetes:
@@ -88,7 +93,7 @@ async def run(a: argparse.Namespace) -> int:
     fleet = Fleet(synced=not a.kubernetes)
     for model, endpoints in a.endpoints.items():
         fleet.set_endpoints(model, endpoints)
-    router = wire(fleet, a.holds, epsilon=a.epsilon)
+    router = wire(fleet, a.holds, epsilon=a.epsilon, tiered=a.tiered)
     async with contextlib.AsyncExitStack() as stack:
         tasks: list[asyncio.Task[None]] = []
         if a.kubernetes:

@@ -6,7 +6,7 @@ import asyncio
 import json
 import logging
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 import aiohttp
@@ -18,11 +18,17 @@ from kvfleet_router.hold_queue import HoldQueue, HoldRefused
 from kvfleet_router.metrics import HeldSample, RouterMetrics
 from kvfleet_router.picker import pick
 from kvfleet_router.prefix import prefix_key
+from kvfleet_router.quality import QualityMonitor
+from kvfleet_router.tier_config import TieredModel
+from kvfleet_router.tiering import TIER_HEADER, Route, Tiers
 
 log = logging.getLogger(__name__)
 # Every POST the agents serve that names a model: generation, and vLLM's tokenizer routes (any replica answers them
 # alike; they go through the same picking so a held model holds them too).
 ROUTES = ("/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize")
+GENERATION = ROUTES[:2]  # what tiers classify and the quality monitor verifies (a tiered model's tokenizer routes go
+# to its top tier)
+CAPTURE_MAX = 1 << 20  # a verified answer is kept up to this many bytes (past it, the sample is skipped)
 RETRY_STATUSES = (429, 503)  # the agent refused before starting: another replica may take it
 FORWARDED_HEADERS = ("Content-Type", "Authorization", "Accept")
 ROUTE_HEADER = "x-kvfleet-route"
@@ -38,10 +44,13 @@ def error(status: int, message: str, kind: str, **headers: str) -> web.Response:
 class Router:
     """Picks a replica per request and relays it; holds requests for models with no ready replica."""
 
-    def __init__(self, fleet: Fleet, holds: HoldQueue, epsilon: float = 0.25, max_attempts: int = 3) -> None:
+    def __init__(self, fleet: Fleet, holds: HoldQueue, epsilon: float = 0.25, max_attempts: int = 3,
+                 tiered: Mapping[str, TieredModel] | None = None) -> None:
         self.fleet, self.holds, self.epsilon, self.max_attempts = fleet, holds, epsilon, max_attempts
         self.metrics = RouterMetrics(held=self._held)
         self.session: aiohttp.ClientSession | None = None
+        self.tiers = Tiers(tiered, self.metrics.tiers) if tiered else None
+        self.monitor = QualityMonitor(self.tiers, self.call, self.metrics.tiers) if self.tiers is not None else None
 
     def app(self) -> web.Application:
         """The aiohttp application: OpenAI routes, models, health, readiness, metrics."""
@@ -60,6 +69,8 @@ class Router:
                                              auto_decompress=False)
 
     async def _close(self, _: web.Application) -> None:
+        if self.monitor is not None:
+            await self.monitor.close()
         if self.session is not None:
             await self.session.close()
 
@@ -89,18 +100,27 @@ class Router:
 
     async def models(self, request: web.Request) -> web.Response:
         """GET /v1/models: every model the router knows, with its ready replica count."""
-        data = [{"id": m, "object": "model", "owned_by": "kvfleet", "ready_replicas": len(self.fleet.ready(m))}
-                for m in sorted(self.fleet.models)]
+        data = [self._model_card(m) for m in sorted(self._names())]
         return web.json_response({"object": "list", "data": data})
+
+    def _names(self) -> set[str]:
+        """Every model name a client may send: served models and tiered names."""
+        return set(self.fleet.models) | set(self.tiers.tiered if self.tiers is not None else ())
+
+    def _model_card(self, name: str) -> dict[str, Any]:
+        if self.tiers is not None and name in self.tiers:
+            tiers = [t.model for t in self.tiers.tiered[name].tiers]
+            return {"id": name, "object": "model", "owned_by": "kvfleet", "tiers": tiers,
+                    "ready_replicas": sum(len(self.fleet.ready(t)) for t in tiers)}
+        return {"id": name, "object": "model", "owned_by": "kvfleet", "ready_replicas": len(self.fleet.ready(name))}
 
     async def model(self, request: web.Request) -> web.Response:
         """GET /v1/models/{id}: one model the router knows, or a 404 in OpenAI's shape naming the known ones."""
         name = request.match_info["model"]
-        if name not in self.fleet.models:
-            known = ", ".join(sorted(self.fleet.models)) or "none"
+        if name not in self._names():
+            known = ", ".join(sorted(self._names())) or "none"
             return error(404, f"model {name!r} is not served here; models: {known}", "invalid_request_error")
-        return web.json_response({"id": name, "object": "model", "owned_by": "kvfleet",
-                                  "ready_replicas": len(self.fleet.ready(name))})
+        return web.json_response(self._model_card(name))
 
     async def relay(self, request: web.Request) -> web.StreamResponse:
         """POST an OpenAI route: pick, forward, retry on refusal before any byte, relay the answer."""
@@ -111,8 +131,20 @@ class Router:
         except (json.JSONDecodeError, UnicodeDecodeError, RecursionError):
             return error(400, "the body is not valid JSON", "invalid_request_error")
         model = body.get("model") if isinstance(body, dict) else None
+        route: Route | None = None
+        if self.tiers is not None and model in self.tiers:
+            if request.path in GENERATION:
+                route = await self.tiers.route(body, self._classify)
+                tier = route.model
+            else:
+                tier = self.tiers.tiered[str(model)].tiers[-1].model
+            if tier not in self.fleet.models:
+                return error(404, f"model {model!r} is served by tier {tier!r}, which no InferenceDeployment serves "
+                                  "here now", "invalid_request_error")
+            body, model = {**body, "model": tier}, tier
+            raw = json.dumps(body).encode()
         if not isinstance(model, str) or model not in self.fleet.models:
-            known = ", ".join(sorted(self.fleet.models)) or "none"
+            known = ", ".join(sorted(self._names())) or "none"
             return error(404, f"model {model!r} is not served here; models: {known}", "invalid_request_error")
         if not self.fleet.ready(model):
             held = time.perf_counter()
@@ -140,8 +172,10 @@ class Router:
             if tried:
                 self.metrics.retries.labels(model).inc()
             tried.add(replica.name)
-            result = await self._attempt(request, raw, model, replica, choice.reason, start)
+            result = await self._attempt(request, raw, model, replica, choice.reason, start, route)
             if isinstance(result, web.StreamResponse):
+                if route is not None and self.monitor is not None and isinstance(result, Relayed) and result.kept:
+                    self.monitor.offer(route, request.path, body, bytes(result.kept), result.content_type_seen)
                 return result
             retry_after = max(retry_after, result)
         self.metrics.requests.labels(model, "", "refused").inc()
@@ -149,7 +183,7 @@ class Router:
                      "rate_limit_error", **{"Retry-After": f"{retry_after:.0f}"})
 
     async def _attempt(self, request: web.Request, raw: bytes, model: str, replica: Replica, reason: str,
-                       start: float) -> web.StreamResponse | float:
+                       start: float, route: Route | None = None) -> web.StreamResponse | float:
         """Send the request to one replica. Returns the relayed response, or the Retry-After (seconds) to honour
         when the replica refused or could not be reached before anything was sent to the client."""
         assert self.session is not None
@@ -163,7 +197,8 @@ class Router:
                     self.metrics.upstream_errors.labels(model, f"http_{upstream.status}").inc()
                     await upstream.read()
                     return _retry_after(upstream.headers.get("Retry-After"))
-                return await self._relay(request, upstream, model, replica, reason, (sent - start, answered))
+                return await self._relay(request, upstream, model, replica, reason, (sent - start, answered),
+                                         route)
         except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, TimeoutError) as e:
             self.metrics.upstream_errors.labels(model, "connect").inc()
             log.warning("replica %s of %s failed before answering: %s", replica.name, model, e)
@@ -173,18 +208,26 @@ class Router:
             replica.finished()
 
     async def _relay(self, request: web.Request, upstream: aiohttp.ClientResponse, model: str, replica: Replica,
-                     reason: str, timing: tuple[float, float]) -> web.StreamResponse:
-        """Relay the replica's answer as it comes; a stream cut by the replica ends with an error event."""
+                     reason: str, timing: tuple[float, float], route: Route | None) -> web.StreamResponse:
+        """Relay the replica's answer as it comes; a stream cut by the replica ends with an error event. A tiered
+        request's answer is also kept (up to CAPTURE_MAX) for the quality monitor."""
         before_send, answered = timing
-        resp = web.StreamResponse(status=upstream.status, headers={
-            **{h: v for h, v in upstream.headers.items() if h in ("Content-Type", "Cache-Control", "Retry-After")},
-            ROUTE_HEADER: f"replica={replica.name}; reason={reason}"})
+        headers = {h: v for h, v in upstream.headers.items() if h in ("Content-Type", "Cache-Control", "Retry-After")}
+        headers[ROUTE_HEADER] = f"replica={replica.name}; reason={reason}"
+        if route is not None:
+            headers[TIER_HEADER] = route.header()
+        resp = Relayed(status=upstream.status, headers=headers)
+        resp.content_type_seen = upstream.headers.get("Content-Type", "")
+        keep = route is not None and upstream.status == 200
         await resp.prepare(request)
         first = True
         outcome = "ok" if upstream.status < 400 else f"http_{upstream.status}"
         try:
             async for chunk in upstream.content.iter_any():
                 await resp.write(chunk)
+                if keep:
+                    resp.kept += chunk
+                    keep = len(resp.kept) <= CAPTURE_MAX
                 if first:
                     first = False
                     self.metrics.added_latency.observe(before_send + time.perf_counter() - answered)
@@ -198,8 +241,48 @@ class Router:
                                    "type": "upstream_error", "code": 502}}
                 await resp.write(f"data: {json.dumps(event)}\n\n".encode())
         self.metrics.requests.labels(model, replica.name, outcome).inc()
+        if not keep or outcome != "ok":
+            resp.kept.clear()  # only a whole answer is verified
         await resp.write_eof()
         return resp
+
+    async def call(self, model: str, path: str, body: dict[str, Any]) -> tuple[bytes, str] | None:
+        """The router's own request to a served model (a verification replay): the least-loaded ready replica, one
+        attempt, never held. The answer and its content type, or None when nothing answered 200."""
+        assert self.session is not None
+        ready = self.fleet.ready(model)
+        if not ready:
+            return None
+        choice = pick([r.load() for r in ready], None, self.epsilon)
+        replica = next(r for r in ready if r.name == choice.replica)
+        replica.in_flight += 1
+        try:
+            async with self.session.post(f"{replica.url}{path}", json=body) as upstream:
+                data = await upstream.read()
+                return (data, upstream.headers.get("Content-Type", "")) if upstream.status == 200 else None
+        except (aiohttp.ClientError, TimeoutError) as e:
+            log.info("replica %s of %s failed a router call: %s", replica.name, model, e)
+            return None
+        finally:
+            replica.finished()
+
+    async def _classify(self, model: str, body: dict[str, Any]) -> dict[str, Any] | None:
+        """A classifier model's completions answer, as JSON (None if it did not answer)."""
+        got = await self.call(model, "/v1/completions", body)
+        try:
+            answer = json.loads(got[0]) if got is not None else None
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            return None
+        return answer if isinstance(answer, dict) else None
+
+
+class Relayed(web.StreamResponse):
+    """A relayed response, with the whole answer when it was kept for verification."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.kept = bytearray()
+        self.content_type_seen = ""  # the upstream's Content-Type, as relayed
 
 
 def _retry_after(value: str | None) -> float:

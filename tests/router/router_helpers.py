@@ -13,7 +13,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -41,11 +41,11 @@ class RouterProcess:
         self.proc.wait(20)
 
 
-def start_router(*endpoints: str, hold_timeout: float = 120.0) -> RouterProcess:
-    """`kvfleet-router --port 0` over the given MODEL=URL endpoints, once it prints its ready line."""
+def start_router(*endpoints: str, hold_timeout: float = 120.0, flags: Sequence[str] = ()) -> RouterProcess:
+    """`kvfleet-router --port 0` over the given MODEL=URL endpoints (and more flags), once it prints its ready line."""
     cmd = [sys.executable, "-m", "kvfleet_router.cli", "--port", "0", "--log-level", "WARNING",
            "--scrape-interval", "0.1", "--hold-timeout", str(hold_timeout),
-           *[x for e in endpoints for x in ("--endpoint", e)]]
+           *[x for e in endpoints for x in ("--endpoint", e)], *flags]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     assert proc.stdout is not None
     lines: list[str] = []
