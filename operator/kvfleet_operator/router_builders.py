@@ -4,6 +4,7 @@ Service and PodDisruptionBudget."""
 from __future__ import annotations
 
 import copy
+import json
 from typing import Any
 
 from kvfleet_contract.metrics import ROUTER_APP, ROUTER_PORT
@@ -93,10 +94,20 @@ def role_binding(cr: InferenceRouter, namespace: str) -> Manifest:
 def router_args(spec: InferenceRouterSpec, namespaces: tuple[str, ...]) -> list[str]:
     """`kvfleet-router` arguments; every setting explicit, so a change of the router's defaults never leaks in."""
     watch = [arg for ns in namespaces for arg in ("--watch-namespace", ns)]
-    return ["--kubernetes", "--host", "0.0.0.0", "--port", str(ROUTER_PORT), *watch,
+    args = ["--kubernetes", "--host", "0.0.0.0", "--port", str(ROUTER_PORT), *watch,
             "--epsilon", str(float(spec.epsilon)), "--scrape-interval", str(float(spec.scrape_interval_seconds)),
             "--hold-queue-size", str(spec.hold_queue.size),
             "--hold-timeout", str(float(spec.hold_queue.timeout_seconds))]
+    if spec.tiered_models:
+        args += ["--tiers", tiers_json(spec)]
+    return args
+
+
+def tiers_json(spec: InferenceRouterSpec) -> str:
+    """spec.tieredModels as `kvfleet-router --tiers` reads it: compact JSON, camelCase, every default written out
+    (the router then runs what the CR shows, whatever its own defaults are)."""
+    tiers = [t.model_dump(mode="json", by_alias=True, exclude_none=True) for t in spec.tiered_models]
+    return json.dumps(tiers, separators=(",", ":"))
 
 
 def _resources(spec: InferenceRouterSpec) -> dict[str, Any]:

@@ -22,6 +22,8 @@ from kvfleet_operator.router_rules import (
     WATCH_NAMESPACES_NAME_RULE,
     WATCH_NAMESPACES_UNIQUE_RULE,
 )
+from kvfleet_operator.router_tier_models import TieredModelSpec, TieredModelStatus
+from kvfleet_operator.router_tier_rules import MAX_TIERED_MODELS, TIERED_NAMES_UNIQUE_RULE
 from kvfleet_operator.rules import cel, check
 
 ROUTER_KIND = "InferenceRouter"
@@ -111,6 +113,14 @@ class InferenceRouterSpec(SpecModel):
     256Mi memory, no limits)."""
     pod: RouterPodOverrides = Field(default_factory=RouterPodOverrides)
     """Additions to the router pods."""
+    tiered_models: list[TieredModelSpec] = Field(default_factory=list, max_length=MAX_TIERED_MODELS,
+                                                 json_schema_extra=cel(TIERED_NAMES_UNIQUE_RULE))
+    """Complexity tiers: each entry is a model name clients send that stands for 2 to 8 served models (tiers,
+    cheapest first). A classifier gives each request a class from its features (prompt length, max_tokens, code or
+    reasoning markers, conversation depth) or from a small served model; the class's tier serves it. The quality
+    monitor replays a share of the lower tiers' answers on the top tier, promotes a class to the next tier while its
+    agreement stays below the threshold, and demotes it back once it recovers. status.tieredModels shows each
+    tier's share of the traffic, its measured quality and the current promotions; promotions are also events."""
 
     @property
     def namespaces(self) -> tuple[str, ...]:
@@ -122,6 +132,12 @@ class InferenceRouterSpec(SpecModel):
     def _namespaces(cls, v: list[str]) -> list[str]:
         check(all(re.fullmatch(NAMESPACE_PATTERN, n) for n in v), WATCH_NAMESPACES_NAME_RULE)
         check(len(v) == len(set(v)), WATCH_NAMESPACES_UNIQUE_RULE)
+        return v
+
+    @field_validator("tiered_models")
+    @classmethod
+    def _tiered(cls, v: list[TieredModelSpec]) -> list[TieredModelSpec]:
+        check(len({t.name for t in v}) == len(v), TIERED_NAMES_UNIQUE_RULE)
         return v
 
     @field_validator("epsilon")
@@ -188,6 +204,10 @@ class InferenceRouterStatus(_Status):
     """Distinct model names served by the InferenceDeployments in the watched namespaces."""
     models: list[RouterModel] = Field(default_factory=list, max_length=MAX_MODELS)
     """Per InferenceDeployment in the watched namespaces: its model and ready endpoints."""
+    tiered_models: list[TieredModelStatus] = Field(default_factory=list, max_length=MAX_TIERED_MODELS)
+    """Per tiered model of the spec: each tier's requests, share and measured quality, and the promotions now, as
+    the router pods reported them at the last reconcile (absent without tiered models; kept as it was while no
+    router pod answers)."""
     conditions: list[RouterCondition] = Field(
         default_factory=list, max_length=8,
         json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["type"]})

@@ -14,12 +14,14 @@ from kvfleet_operator.config import OperatorConfig
 from kvfleet_operator.ownership import Ownership, classify, controller
 from kvfleet_operator.plan import ReconcileError, refusal
 from kvfleet_operator.router_models import MAX_MODELS, ROUTER_KIND, InferenceRouter
+from kvfleet_operator.router_tier_models import TieredModelSpec
+from kvfleet_operator.router_tiers import TierEvent, tier_events, tier_status
 from kvfleet_operator.status import READY, condition, observe
 
 Manifest = dict[str, Any]
 ChildKey = tuple[str, str, str]  # (kind, namespace, name)
 GRANT_KINDS = ("Role", "RoleBinding")
-STATUS_FIELDS = ("observedGeneration", "replicas", "readyReplicas", "modelCount", "models")
+STATUS_FIELDS = ("observedGeneration", "replicas", "readyReplicas", "modelCount", "models", "tieredModels")
 
 
 @dataclass(frozen=True)
@@ -41,6 +43,7 @@ class RouterRead:
     grants: Sequence[Manifest] = ()
     fleets: Mapping[str, Fleet] = field(default_factory=dict)
     held: Mapping[tuple[str, str], float] | None = None  # scraped from the router pods; None: none answered
+    texts: Mapping[str, str] | None = None  # each answering router pod's /metrics body; None: none answered
 
 
 def parse(body: Mapping[str, Any]) -> InferenceRouter | None:
@@ -154,6 +157,8 @@ class RouterPlan:
     read_errors: tuple[ReconcileError, ...] = ()
     models: tuple[dict[str, Any], ...] = ()
     model_count: int = 0
+    tiered_specs: tuple[TieredModelSpec, ...] = ()
+    tiered: tuple[dict[str, Any], ...] | None = None  # status.tieredModels; None: left out (no tiered models)
 
     def status(self, *, deployment: Manifest | None, errors: Sequence[ReconcileError], now: str) -> dict[str, Any]:
         """The status after the applies: `deployment` as applied (else as read), the errors in apply order."""
@@ -170,9 +175,10 @@ class RouterPlan:
         [ready] = [c for c in seen["conditions"] if c["type"] == READY]
         if first is not None:  # Ready is the router's only condition: it says what went wrong itself
             ready["message"] = f"{first.message}; {ready['message']}"[:32768]
+        tiered = {} if self.tiered is None else {"tieredModels": list(self.tiered)}
         return {"observedGeneration": self.generation, "replicas": seen["replicas"],
                 "readyReplicas": seen["readyReplicas"], "modelCount": self.model_count, "models": list(self.models),
-                "conditions": [ready]}
+                **tiered, "conditions": [ready]}
 
     def status_to_write(self, *, deployment: Manifest | None, errors: Sequence[ReconcileError],
                         now: str) -> dict[str, Any] | None:
@@ -181,6 +187,10 @@ class RouterPlan:
         ours = [c for c in self.current.get("conditions") or [] if c.get("type") == READY]
         unchanged = all(self.current.get(k) == new.get(k) for k in STATUS_FIELDS) and ours == new["conditions"]
         return None if unchanged else new
+
+    def events(self, status: Mapping[str, Any]) -> list[TierEvent]:
+        """The promotion events of writing `status` over the status as read."""
+        return tier_events(self.tiered_specs, self.current.get("tieredModels"), status.get("tieredModels"))
 
 
 def make_plan(body: Mapping[str, Any], read: RouterRead, cfg: OperatorConfig) -> RouterPlan:
@@ -223,7 +233,22 @@ def make_plan(body: Mapping[str, Any], read: RouterRead, cfg: OperatorConfig) ->
     models, count = endpoints(read.fleets, read.held)
     return RouterPlan(ns, name, generation, current, desired=cr.spec.replicas, writes=tuple(writes),
                       deletes=deletes, deployment=ours, read_errors=read_errors, models=tuple(models),
-                      model_count=count)
+                      model_count=count, tiered_specs=tuple(cr.spec.tiered_models),
+                      tiered=_tiered(cr, current, read.texts))
+
+
+def _tiered(cr: InferenceRouter, current: Mapping[str, Any], texts: Mapping[str, str] | None,
+            ) -> tuple[dict[str, Any], ...] | None:
+    """status.tieredModels: measured when a router pod reported its tier metrics; else the previous entries of the
+    models still tiered (nobody measured a zero); None (left out) when there are none, or no tiered models."""
+    specs = cr.spec.tiered_models
+    if not specs:
+        return None
+    measured = tier_status(specs, texts or {})
+    if measured[0]["routerPods"] > 0:  # every entry counts the same pods
+        return tuple(measured)
+    previous = {e.get("name"): e for e in current.get("tieredModels") or ()}
+    return tuple(previous[t.name] for t in specs if t.name in previous) or None
 
 
 def orphans(grants: Sequence[Manifest], exists: Mapping[tuple[str, str], bool]) -> list[RouterDelete]:

@@ -4,14 +4,18 @@ grants a deleted router left in other namespaces."""
 from __future__ import annotations
 
 import asyncio
+import contextvars
+import logging
 import time
-from typing import Any
+from collections.abc import Callable
+from typing import Any, cast
 
 import aiohttp
+import kopf
 
 from kvfleet_operator import metrics
 from kvfleet_operator import router_builders as rb
-from kvfleet_operator.autoscaling.router_demand import router_targets, scrape_routers
+from kvfleet_operator.autoscaling.router_demand import RouterDemand, router_targets, scrape_routers
 from kvfleet_operator.builders import MANAGED_BY_LABEL, MANAGER, OWNER_LABEL
 from kvfleet_operator.kube import ApiError, KubeClient
 from kvfleet_operator.models import API_VERSION, KIND
@@ -31,9 +35,17 @@ from kvfleet_operator.router_plan import (
     orphans,
     parse,
 )
+from kvfleet_operator.router_tiers import TierEvent
 from kvfleet_operator.status import now_rfc3339
 
 AGENT_PODS = f"{MANAGED_BY_LABEL}={MANAGER},{OWNER_LABEL}"  # every InferenceDeployment's agent pods
+RESYNC_TRIGGER = "resync"
+EventFn = Callable[..., None]  # kopf.event's signature; tests pass a recorder
+log = logging.getLogger(__name__)
+# kopf.event needs kopf's event queue, which only the context of a handler holds; the resync task (which reconciles
+# routers, and so finds most promotions) was started from the startup handler, without it. The context of the last
+# handler-run router reconcile is kept to post from there: kopf has one event queue per operator.
+_HANDLER_CONTEXT: contextvars.Context | None = None
 
 
 def _lock(ctx: Context, namespace: str, name: str) -> asyncio.Lock:
@@ -62,22 +74,24 @@ async def _fleet(kube: KubeClient, namespace: str) -> Fleet:
         return Fleet(error=str(e))
 
 
-async def _held(ctx: Context, namespace: str, name: str) -> dict[tuple[str, str], float] | None:
-    """The requests this router's ready pods hold, by (namespace, InferenceDeployment); None when none answered
-    (then the status says nothing rather than a zero nobody measured)."""
+async def _held(ctx: Context, namespace: str, name: str) -> RouterDemand | None:
+    """What this router's ready pods report: the requests they hold, by (namespace, InferenceDeployment), and their
+    /metrics texts (the tier metrics); None when none answered (then the status says nothing rather than a zero
+    nobody measured)."""
     selector = ",".join(f"{k}={v}" for k, v in rb.selector_labels(name).items())
     try:
         pods = await ctx.kube.list("Pod", namespace, selector)
     except ApiError:
         return None
     demand = await scrape_routers(router_targets(pods), timeout=ctx.cfg.scrape_timeout_seconds)
-    return dict(demand.held) if demand.reporting else None
+    return demand if demand.reporting else None
 
 
-async def reconcile_router(namespace: str, name: str, ctx: Context, *, uid: str | None = None) -> bool:
+async def reconcile_router(namespace: str, name: str, ctx: Context, *, uid: str | None = None,
+                           post_event: EventFn | None = None) -> bool:
     """Reconcile one InferenceRouter from its current state in the apiserver. False when the object is gone, being
     deleted or replaced (another uid than `uid`). Raises ReconcileError (after writing the status), ApiError on a
-    failed read, aiohttp/timeout errors."""
+    failed read, aiohttp/timeout errors. Promotion events go to `post_event` (default: kopf.event)."""
     async with _lock(ctx, namespace, name):
         body = await ctx.kube.get(ROUTER_KIND, namespace, name)
         meta = (body or {}).get("metadata") or {}
@@ -88,9 +102,12 @@ async def reconcile_router(namespace: str, name: str, ctx: Context, *, uid: str 
         if cr is not None:
             children: dict[ChildKey, Manifest | None] = {
                 key: await ctx.kube.get(*key) for key in child_keys(cr)}
+            demand = await _held(ctx, namespace, name)
             read = RouterRead(children, await _grants(ctx, rb.grant_selector(namespace, name)),
-                              {ns: await _fleet(ctx.kube, ns) for ns in cr.watched}, await _held(ctx, namespace, name))
-        await _execute(ctx.kube, make_plan(body, read, ctx.cfg))
+                              {ns: await _fleet(ctx.kube, ns) for ns in cr.watched},
+                              None if demand is None else dict(demand.held),
+                              None if demand is None else dict(demand.texts))
+        await _execute(ctx.kube, make_plan(body, read, ctx.cfg), body, post_event)
         ctx.reconciled[meta.get("uid") or ""] = asyncio.get_running_loop().time()
         return True
 
@@ -98,6 +115,9 @@ async def reconcile_router(namespace: str, name: str, ctx: Context, *, uid: str 
 async def reconcile_router_counted(namespace: str, name: str, ctx: Context, trigger: str, *,
                                    uid: str | None = None) -> bool:
     """reconcile_router, counted in the operator's metrics (trigger router-<trigger>)."""
+    global _HANDLER_CONTEXT
+    if trigger != RESYNC_TRIGGER:  # from a kopf handler (state.py's resync passes RESYNC_TRIGGER)
+        _HANDLER_CONTEXT = contextvars.copy_context()
     start, label = time.perf_counter(), f"router-{trigger}"
     try:
         found = await reconcile_router(namespace, name, ctx, uid=uid)
@@ -112,8 +132,9 @@ async def reconcile_router_counted(namespace: str, name: str, ctx: Context, trig
     return found
 
 
-async def _execute(kube: KubeClient, plan: RouterPlan) -> None:
-    """Apply the plan, write its status (once, if it changed), then raise the errors it met, if any."""
+async def _execute(kube: KubeClient, plan: RouterPlan, body: Manifest, post_event: EventFn | None = None) -> None:
+    """Apply the plan, write its status (once, if it changed) and post the promotion events that write makes
+    true, then raise the errors it met, if any."""
     if plan.invalid is not None:
         await _write_status(kube, plan, plan.status(deployment=None, errors=(), now=now_rfc3339()))
         raise plan.invalid
@@ -140,10 +161,30 @@ async def _execute(kube: KubeClient, plan: RouterPlan) -> None:
     status = plan.status_to_write(deployment=deployment, errors=errors, now=now_rfc3339())
     if status is not None:
         await _write_status(kube, plan, status)
+        _post(post_event, body, plan.events(status))
     errors = [*plan.read_errors, *errors]
     if errors:
         raise ReconcileError(errors[0].reason, "; ".join(e.message for e in errors),
                              permanent=all(e.permanent for e in errors))
+
+
+def _post(post_event: EventFn | None, body: Manifest, events: list[TierEvent]) -> None:
+    for e in events:
+        if post_event is not None:
+            _event(post_event, body, e)
+            continue
+        try:
+            _event(kopf.event, body, e)
+        except LookupError:  # no kopf event queue in this context: the resync's (see _HANDLER_CONTEXT)
+            if _HANDLER_CONTEXT is None:
+                log.warning(f"event {e.reason} not posted (no kopf handler has run yet): {e.message}")
+            else:
+                _HANDLER_CONTEXT.run(_event, kopf.event, body, e)
+
+
+def _event(post: EventFn, body: Manifest, e: TierEvent) -> None:
+    # kopf.event reads only apiVersion, kind and metadata, through Mapping.get: the body as read serves.
+    post(cast(kopf.Body, body), type="Normal", reason=e.reason, message=e.message[:1024])
 
 
 async def _delete(kube: KubeClient, deletes: tuple[RouterDelete, ...] | list[RouterDelete]) -> list[ReconcileError]:

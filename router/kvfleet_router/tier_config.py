@@ -151,17 +151,26 @@ def _classifier(obj: Mapping[str, Any], where: str, tiers: int) -> Classifier:
                                              "the classifier model's answer is awaited this long, e.g. 1"))
 
 
+def _count(obj: Mapping[str, Any], key: str, where: str, default: int, lo: int, hi: int) -> int:
+    value = int(_get(obj, key, int, where, default))
+    if not lo <= value <= hi:
+        raise TierConfigError(f"{where}.{key}={value} must be an integer from {lo} to {hi}: e.g. {default}")
+    return value
+
+
 def _quality(obj: Mapping[str, Any], where: str) -> Quality:
     threshold = _number(obj, "threshold", where, 0.5, 0.0, 1.0, "agreement is a score in [0, 1]")
+    hysteresis = _number(obj, "hysteresis", where, 0.1, 0.0, 1.0, "e.g. 0.1")
+    if threshold + hysteresis > 1.0:  # the sum, as the CRD's CEL rule computes it
+        raise TierConfigError(f"{where}: threshold + hysteresis = {threshold + hysteresis:g} is the score a demotion "
+                              "needs and must be at most 1: lower hysteresis or threshold")
     return Quality(
         sample_rate=_number(obj, "sampleRate", where, 0.05, 0.0, 1.0, "the share of lower-tier answers replayed"),
-        threshold=threshold,
-        hysteresis=_number(obj, "hysteresis", where, 0.1, 0.0, 1.0 - threshold,
-                           "threshold + hysteresis is the score a demotion needs, at most 1"),
+        threshold=threshold, hysteresis=hysteresis,
         window_s=_number(obj, "windowSeconds", where, 300.0, 1.0, 86400.0, "e.g. 300"),
-        min_samples=int(_number(obj, "minSamples", where, 20, 1, 100000, "e.g. 20")),
-        max_concurrent=int(_number(obj, "maxConcurrentReplays", where, 2, 1, 64, "e.g. 2")),
-        max_per_minute=int(_number(obj, "maxReplaysPerMinute", where, 60, 1, 100000, "e.g. 60")))
+        min_samples=_count(obj, "minSamples", where, 20, 1, 100000),
+        max_concurrent=_count(obj, "maxConcurrentReplays", where, 2, 1, 64),
+        max_per_minute=_count(obj, "maxReplaysPerMinute", where, 60, 1, 100000))
 
 
 def _tiered(obj: Any, where: str) -> TieredModel:

@@ -95,6 +95,8 @@ def test_scrape_sums_answering_routers_and_skips_the_others_by_name() -> None:
         assert demand.held == {("ns", "m"): 4.0, ("ns", "other"): 2.0} and demand.of("ns", "m") == 4.0
         assert demand.of("ns", "absent") == 0.0
         assert demand.reporting == ("ns/a", "ns/b")
+        assert list(demand.texts) == ["ns/a", "ns/b"]  # each answering router's body, for its tier metrics
+        assert held_requests(demand.texts["ns/a"]) == {("ns", "m"): 3.0, ("ns", "other"): 2.0}
         assert demand.errors["ns/failing"] == "HTTP 503"
         assert demand.errors["ns/stalled"] == "timeout after 0.5s"
         assert demand.errors["ns/gone"].startswith("ClientConnectorError")

@@ -166,3 +166,29 @@ def test_the_pdb_never_blocks_a_drain_and_keeps_one_of_two() -> None:
         pdb = rb.pod_disruption_budget(router({"replicas": replicas}))
         assert pdb["spec"]["maxUnavailable"] == 1 and "minAvailable" not in pdb["spec"]
         assert pdb["spec"]["selector"]["matchLabels"] == rb.selector_labels("front")
+
+
+def test_tiered_models_reach_the_router_as_it_parses_them(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from kvfleet_router import cli
+    from kvfleet_router.tier_config import parse_tiers
+
+    assert "--tiers" not in rb.router_args(router().spec, ("serving",))  # none: the flag is left out
+    [cr] = [load(p) for p in INPUTS if p.name == "tiered-models.input.yaml"]
+    args = rb.router_args(cr.spec, cr.watched)
+    assert args.count("--tiers") == 1 and args[-2] == "--tiers"
+    rendered = json.loads(args[-1])
+    # camelCase, every default written out: the router runs what the CR shows, whatever its own defaults.
+    assert rendered[0]["quality"] == {"sampleRate": 0.05, "threshold": 0.5, "hysteresis": 0.1, "windowSeconds": 300.0,
+                                      "minSamples": 20, "maxConcurrentReplays": 2, "maxReplaysPerMinute": 60}
+    assert rendered[0]["classifier"]["classes"] == [{"name": "simple", "tier": 0, "maxPromptTokens": 512,
+                                                     "maxOutputTokens": 256, "maxTurns": 4, "markers": False}]
+    given = yaml.safe_load((GOLDEN / "tiered-models.input.yaml").read_text())["spec"]["tieredModels"]
+    assert parse_tiers(rendered) == parse_tiers(given)
+    kubeconfig = tmp_path / "kubeconfig"  # the router's own command line parser, as in its pod
+    kubeconfig.write_text(json.dumps({
+        "apiVersion": "v1", "kind": "Config", "current-context": "c",
+        "clusters": [{"name": "k", "cluster": {"server": "https://127.0.0.1:6443", "insecure-skip-tls-verify": True}}],
+        "users": [{"name": "u", "user": {"token": "t"}}], "contexts": [{"name": "c", "context": {"cluster": "k",
+                                                                                               "user": "u"}}]}))
+    monkeypatch.setenv("KUBECONFIG", str(kubeconfig))
+    assert cli.parse(args).tiered == parse_tiers(given)

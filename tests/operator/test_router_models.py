@@ -9,7 +9,7 @@ import pytest
 import yaml
 from pydantic import ValidationError
 
-from kvfleet_operator import router_rules, rules
+from kvfleet_operator import router_rules, router_tier_rules, rules
 from kvfleet_operator.crd import ROUTER_CRD_FILE, render, router_crd
 from kvfleet_operator.router_models import InferenceRouter, InferenceRouterSpec
 
@@ -51,8 +51,10 @@ def test_every_rule_has_a_case_and_sits_in_the_crd() -> None:
     shared = {v for v in vars(rules).values() if isinstance(v, rules.Rule)}
     ours = {v for v in vars(router_rules).values() if isinstance(v, rules.Rule)} - shared
     assert ours - {r for _, _, r in CASES} == {router_rules.ROUTER_NAME_RULE}  # see test_metadata_name
+    # spec.tieredModels' rules: their cases are in test_router_tier_models.py.
+    tiers = {v for v in vars(router_tier_rules).values() if isinstance(v, rules.Rule)}
     in_crd = {(v["rule"], v["message"]) for v in _validations(router_crd())}
-    assert in_crd == {(r.rule, r.message) for r in ours | {rules.QUANTITY_RULE}}
+    assert in_crd == {(r.rule, r.message) for r in ours | tiers | {rules.QUANTITY_RULE}}
 
 
 def test_metadata_name_must_be_a_dns_label() -> None:

@@ -163,7 +163,7 @@ def test_a_classifier_model_labels_each_request_with_a_class(agents: dict[str, A
     ('[{"name": "chat", "tiers": [{"model": "a"}, {"model": "b"}], "classifier": {"classes": [{"name": "x", '
      '"tier": 2}]}}]', "tieredModels[0].classifier.classes[0].tier=2 must index the tiers"),
     ('[{"name": "chat", "tiers": [{"model": "a"}, {"model": "b"}], "quality": {"threshold": 0.95}}]',
-     "tieredModels[0].quality.hysteresis=0.1 must be between 0 and 0.05"),
+     "tieredModels[0].quality: threshold + hysteresis = 1.05"),
     ("{", "--tiers: not JSON"),
 ])
 def test_a_bad_tiers_flag_is_refused_naming_the_field(tiers: str, says: str) -> None:

@@ -52,6 +52,7 @@ class RouterDemand:
     held: Mapping[Key, float] = field(default_factory=dict)
     reporting: tuple[str, ...] = ()
     errors: Mapping[str, str] = field(default_factory=dict)
+    texts: Mapping[str, str] = field(default_factory=dict)  # each reporting router's /metrics body (router_tiers.py)
 
     def of(self, namespace: str, name: str) -> float:
         """Requests held for one InferenceDeployment at the routers that answered."""
@@ -86,6 +87,7 @@ async def scrape_routers(targets: Sequence[tuple[str, str]], *, timeout: float =
     held: dict[Key, float] = {}
     reporting: list[str] = []
     errors: dict[str, str] = {}
+    texts: dict[str, str] = {}
 
     async def one(session: aiohttp.ClientSession, name: str, url: str) -> None:
         try:
@@ -97,6 +99,7 @@ async def scrape_routers(targets: Sequence[tuple[str, str]], *, timeout: float =
             for key, n in held_requests(body).items():
                 held[key] = held.get(key, 0.0) + n
             reporting.append(name)
+            texts[name] = body
         except TimeoutError:  # asyncio.TimeoutError is TimeoutError from 3.11
             errors[name] = f"timeout after {timeout:g}s"
         except ParseError as e:
@@ -107,7 +110,7 @@ async def scrape_routers(targets: Sequence[tuple[str, str]], *, timeout: float =
     if targets:
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout)) as session:
             await asyncio.gather(*(one(session, name, url) for name, url in targets))
-    return RouterDemand(held, tuple(sorted(reporting)), dict(sorted(errors.items())))
+    return RouterDemand(held, tuple(sorted(reporting)), dict(sorted(errors.items())), dict(sorted(texts.items())))
 
 
 async def router_demand(kube: KubeClient, namespaces: Iterable[str] | None, *, timeout: float = 2.0) -> RouterDemand:
@@ -122,4 +125,4 @@ async def router_demand(kube: KubeClient, namespaces: Iterable[str] | None, *, t
         except (ApiError, aiohttp.ClientError, TimeoutError) as e:
             failed[f"{ns or '*'}/*"] = f"listing router pods: {e}"
     demand = await scrape_routers(router_targets(pods), timeout=timeout)
-    return RouterDemand(demand.held, demand.reporting, {**failed, **demand.errors})
+    return RouterDemand(demand.held, demand.reporting, {**failed, **demand.errors}, demand.texts)
