@@ -48,7 +48,8 @@ FLOORS: dict[str, list[list[str]]] = {
         ["kvfleet_router.fleet", "kvfleet_router.tiering"],
         ["kvfleet_router.quality"],
         ["kvfleet_router.proxy", "kvfleet_router.discovery"],
-        ["kvfleet_router", "kvfleet_router.cli", "kvfleet_router.bench"],
+        ["kvfleet_router", "kvfleet_router.cli", "kvfleet_router.bench", "kvfleet_router.cost_report",
+         "kvfleet_router.cost_figures", "kvfleet_router.cost_workload"],
     ],
 }
 # Which packages each package may import: the contract and the kernels sit below everything, and neither
