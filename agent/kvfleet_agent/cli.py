@@ -44,6 +44,9 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
                    help="split the model over this many devices (one worker process per extra rank)")
     g.add_argument("--enforce-eager", action="store_true",
                    help="never capture CUDA graphs for decode steps (they cost start-up time and some memory)")
+    g.add_argument("--speculative-config", default=None, metavar="JSON",
+                   help='speculative decoding, as vLLM: e.g. \'{"method": "ngram", "num_speculative_tokens": 3, '
+                        '"prompt_lookup_max": 4}\' (or "draft_model" with "model": DIR); "adaptive": false fixes k')
 
 
 def _env_defaults(p: argparse.ArgumentParser) -> None:
@@ -67,7 +70,7 @@ def _env_defaults(p: argparse.ArgumentParser) -> None:
 def _engine_options(a: argparse.Namespace) -> dict[str, object]:
     keys = ("dtype", "max_model_len", "max_num_seqs", "max_num_batched_tokens", "block_size",
             "kv_cache_memory_bytes", "gpu_memory_utilization", "enable_prefix_caching", "enable_chunked_prefill",
-            "seed", "num_threads", "tensor_parallel_size", "enforce_eager")
+            "seed", "num_threads", "tensor_parallel_size", "enforce_eager", "speculative_config")
     return {k: getattr(a, k) for k in keys}
 
 

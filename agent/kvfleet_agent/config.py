@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
+
+from kvfleet_agent.spec_config import SpeculativeConfig
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEFAULT_TOKEN_BUDGET = {"cpu": 1024, "cuda": 8192}
@@ -37,6 +40,8 @@ class EngineConfig:
     num_threads: int | None = None  # torch threads per rank; on CPU default: the cores divided among the ranks
     tensor_parallel_size: int = 1
     enforce_eager: bool = False  # as vLLM: never capture CUDA graphs (decode steps launch every kernel each time)
+    # vLLM's --speculative-config (JSON text, a mapping, or parsed); None: no speculation.
+    speculative_config: SpeculativeConfig | str | Mapping[str, Any] | None = None
 
     def __post_init__(self) -> None:
         def bad(name: str, rule: str) -> ValueError:
@@ -64,6 +69,8 @@ class EngineConfig:
             raise bad("gpu_memory_utilization", "use a fraction in (0, 1]")
         if not isinstance(self.enforce_eager, bool):
             raise bad("enforce_eager", "use true or false")
+        if self.speculative_config is not None and not isinstance(self.speculative_config, SpeculativeConfig):
+            self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
         self._check_whole_prompts_fit()
 
     def resolve(self, device_type: str, max_model_len: int) -> None:

@@ -65,9 +65,9 @@ def add(sched: Scheduler, *requests: Request) -> None:
 _tokens = itertools.count(50_000)
 
 
-def sample_all(out: SchedulerOutput) -> dict[str, int]:
+def sample_all(out: SchedulerOutput) -> dict[str, list[int]]:
     """A fresh made-up token for every chunk that samples."""
-    return {c.request_id: next(_tokens) for c in out.chunks if c.sample}
+    return {c.request_id: [next(_tokens)] for c in out.chunks if c.sample}
 
 
 def step(sched: Scheduler) -> SchedulerOutput:

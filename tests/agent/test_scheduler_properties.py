@@ -136,7 +136,7 @@ def test_random_workloads_respect_every_invariant(w: Workload) -> None:
 
         tokens = sample_all(out)
         for rid, t in tokens.items():
-            sampled[rid].append(t)
+            sampled[rid] += t
         advanced = sched.update(out, tokens)
         assert sorted(r.request_id for r in advanced) == sorted(tokens)
         for r in advanced:

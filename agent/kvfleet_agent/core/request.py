@@ -47,6 +47,7 @@ class Request:
     num_cached_tokens: int = 0  # prompt tokens served by the prefix cache at (first) admission
     num_preemptions: int = 0
     stop_reason: int | str | None = None
+    num_new_tokens: int = 0  # tokens the last step appended (more than one when it verified a speculation)
     # Timings for metrics: first scheduled, first token, last token (monotonic seconds).
     first_scheduled_time: float | None = None
     first_token_time: float | None = None

@@ -3,19 +3,21 @@
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping, Sequence
 
 from kvfleet_agent.core.kv_cache import KVCacheManager
 from kvfleet_agent.core.request import Request, RequestStatus
 from kvfleet_agent.core.scheduler_output import ScheduledChunk, SchedulerOutput, TokenHistory
+from kvfleet_agent.core.speculator import Speculator
 
 
 class Scheduler:
     """Owns the waiting queue and the running set; asks the KV cache for blocks."""
 
     def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 enable_chunked_prefill: bool = True) -> None:
+                 enable_chunked_prefill: bool = True, speculator: Speculator | None = None) -> None:
         self.kv = kv
+        self.speculator = speculator
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.enable_chunked_prefill = enable_chunked_prefill
@@ -54,6 +56,7 @@ class Scheduler:
         preempted: list[str] = []
 
         scheduled: set[str] = set()
+        drafts = self._drafts(budget)
         for decodes_pass in (True, False):
             i = 0
             while i < len(self.running) and budget > 0:
@@ -63,13 +66,18 @@ class Scheduler:
                 if (remaining == 1) != decodes_pass or req.request_id in scheduled:
                     continue
                 n = min(remaining, budget)
+                draft = drafts.get(req.request_id, [])[:budget - 1]
                 if not decodes_pass:
                     # Prefills hold blocks for all their known tokens since admission, so they never
                     # grow here, and so never preempt a request this step has already scheduled.
                     assert len(self.kv.block_table(req.request_id)) >= self.kv.blocks_for(req.num_tokens)
+                elif draft and self.kv.grow(req.request_id, req.num_computed_tokens + 1 + len(draft)):
+                    n += len(draft)  # speculation takes free blocks only: it never preempts anyone
                 elif not self._grow_or_preempt(req, req.num_computed_tokens + n, preempted):
                     break  # req itself was the newest and went back to the queue
-                chunks.append(self._chunk(req, n))
+                else:
+                    draft = []
+                chunks.append(self._chunk(req, n, draft))
                 scheduled.add(req.request_id)
                 budget -= n
 
@@ -78,6 +86,14 @@ class Scheduler:
 
         finished, self._finished = self._finished, []
         return SchedulerOutput(chunks, self.max_num_batched_tokens - budget, preempted, finished)
+
+    def _drafts(self, budget: int) -> dict[str, list[int]]:
+        """This step's speculation: draft tokens for running decodes (none without a speculator)."""
+        if self.speculator is None:
+            return {}
+        decodes = [r for r in self.running if r.num_tokens - r.num_computed_tokens == 1]
+        prefilling = sum(r.num_tokens - r.num_computed_tokens for r in self.running) - len(decodes)
+        return self.speculator.propose(decodes, min(prefilling, budget), max(0, budget - len(decodes)))
 
     def _admit(self, budget: int, chunks: list[ScheduledChunk]) -> int:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
@@ -123,8 +139,11 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.appendleft(req)  # ahead of newer arrivals
 
-    def _chunk(self, req: Request, n: int) -> ScheduledChunk:
+    def _chunk(self, req: Request, n: int, draft: list[int] | None = None) -> ScheduledChunk:
         start = req.num_computed_tokens
+        if draft:  # a verification: the last known token, then the drafts (eligible requests keep no history)
+            return ScheduledChunk(req.request_id, [req.token_ids[start], *draft], start,
+                                  self.kv.block_table(req.request_id), True, req.sampling_params, draft=draft)
         if start + n < req.num_tokens:
             self.num_partial_prefills += 1
         sample = start + n == req.num_tokens
@@ -135,17 +154,35 @@ class Scheduler:
         return ScheduledChunk(req.request_id, req.token_ids[start:start + n], start,
                               self.kv.block_table(req.request_id), sample, req.sampling_params, history, prompt_ids)
 
-    def update(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
+    def update(self, out: SchedulerOutput, sampled: Mapping[str, Sequence[int]]) -> list[Request]:
         """Apply a step's results: advance computed tokens, append sampled ones, retire finished requests.
 
-        Returns the requests that got a new token this step (finished ones included).
+        A verified speculation emits 1 to len(draft) + 1 tokens: the accepted drafts, whose K/V the step computed
+        (they equal the drafts it ran), then one more. Only those positions count as computed: the rejected drafts'
+        slots are rewritten by the next step, and their blocks never enter the prefix cache (commit hashes computed
+        tokens only). Tokens after one that ends the request (EOS, a stop id, max_tokens) are dropped, as if it had
+        been generated alone. Returns the requests that got new tokens this step (finished ones included), each
+        with num_new_tokens set.
         """
         advanced = []
         for chunk in out.chunks:
             req = self.requests[chunk.request_id]
-            req.num_computed_tokens += len(chunk.token_ids)
-            if chunk.sample:
-                req.append_token(sampled[chunk.request_id])
+            if not chunk.sample:
+                req.num_computed_tokens += len(chunk.token_ids)
+            else:
+                tokens = sampled[chunk.request_id]
+                accepted = len(tokens) - 1
+                assert 0 <= accepted <= len(chunk.draft) and tokens[:accepted] == chunk.draft[:accepted]
+                req.num_computed_tokens += len(chunk.token_ids) - len(chunk.draft) + accepted
+                req.num_new_tokens = 0
+                for token in tokens:
+                    req.append_token(token)
+                    req.num_new_tokens += 1
+                    if req.is_finished:  # the rest is dropped, and so is the K/V of the drafts after it
+                        req.num_computed_tokens = min(req.num_computed_tokens, req.num_tokens - 1)
+                        break
+                if self.speculator is not None:
+                    self.speculator.verified(req, chunk.draft, accepted)
                 advanced.append(req)
             self.kv.commit(req.request_id, req.token_ids, req.num_computed_tokens)
         done = [r for r in advanced if r.is_finished]
@@ -178,6 +215,8 @@ class Scheduler:
         self._retire(req)
 
     def _retire(self, req: Request) -> None:
+        if self.speculator is not None:
+            self.speculator.forget([req.request_id])
         del self.requests[req.request_id]
         self.kv.free(req.request_id)
         self._finished.append(req.request_id)

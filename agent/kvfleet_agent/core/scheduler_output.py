@@ -34,6 +34,9 @@ class ScheduledChunk:
     # With prompt_logprobs: the prompt's tokens, whose logprobs the positions of this chunk before
     # len(prompt_ids) - 1 yield (position q predicts token q + 1). None otherwise.
     prompt_ids: list[int] | None = None
+    # Speculation: the draft tokens after the request's last known token (token_ids is [last, *draft]). The step
+    # verifies them: every position of the chunk samples, and 1 to len(draft) + 1 tokens come out.
+    draft: list[int] = field(default_factory=list)
 
 
 @dataclass(slots=True)

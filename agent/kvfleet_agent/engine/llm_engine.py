@@ -12,12 +12,14 @@ from kvfleet_agent.config import EngineConfig
 from kvfleet_agent.core.kv_cache import KVCacheManager
 from kvfleet_agent.core.request import Request, RequestStatus
 from kvfleet_agent.core.scheduler import Scheduler
+from kvfleet_agent.core.speculator import Speculator
 from kvfleet_agent.engine.detokenizer import IncrementalDetokenizer
 from kvfleet_agent.engine.stats import EngineCounters, EngineObserver, EngineStats
 from kvfleet_agent.models.config import ModelConfig
 from kvfleet_agent.models.tokenizer import Tokenizer, _int_list, _read_json
 from kvfleet_agent.outputs import CompletionOutput, Logprob, RequestOutput
 from kvfleet_agent.sampling_params import SamplingParams
+from kvfleet_agent.spec_config import SpeculativeConfig
 from kvfleet_agent.worker.device import rank_device
 from kvfleet_agent.worker.executor import Executor
 from kvfleet_agent.worker.grammar_compiler import GrammarCompiler
@@ -73,8 +75,9 @@ class LLMEngine:
             raise
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
         assert config.max_num_batched_tokens is not None  # set by resolve()
+        self.speculator = self._speculator()
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens,
-                                   config.enable_chunked_prefill)
+                                   config.enable_chunked_prefill, self.speculator)
         self.counters = EngineCounters(last_step_time=time.time())
         self._tracked: dict[str, _Tracked] = {}
         self.observers: list[EngineObserver] = []
@@ -85,6 +88,17 @@ class LLMEngine:
                  self.runner.dtype, num_blocks, config.block_size, num_blocks * config.block_size,
                  num_blocks * self.runner.bytes_per_block() / 2**20, self.max_model_len,
                  num_blocks * config.block_size / self.max_model_len)
+
+    def _speculator(self) -> Speculator | None:
+        spec = self.config.speculative_config
+        if spec is None:
+            return None
+        assert isinstance(spec, SpeculativeConfig)  # EngineConfig parsed it
+        if spec.method != "ngram":
+            raise ValueError(f"speculative_config.method={spec.method!r} is not served by this engine yet: use "
+                             "'ngram'")
+        log.info("%s", spec.describe())
+        return Speculator(spec)
 
     def _size_kv_pool(self) -> int:
         """Rank 0 decides the number of blocks from the smallest rank's budget; every rank allocates it."""
@@ -212,7 +226,10 @@ class LLMEngine:
             req = self.scheduler.requests[chunk.request_id]
             if req.first_scheduled_time is None:
                 req.first_scheduled_time = now
+        started = time.perf_counter()
         tokens, logprobs, prompt_logprobs = self.executor.execute(plan)
+        if self.speculator is not None:  # the step-time model the adaptive policy decides on
+            self.speculator.policy.observe_step(plan.num_batched_tokens, time.perf_counter() - started)
         for rid, (first, lps) in prompt_logprobs.items():
             slots = self._tracked[rid].prompt_logprobs
             assert slots is not None
@@ -220,7 +237,7 @@ class LLMEngine:
         advanced = self.scheduler.update(plan, tokens)
         now = time.monotonic()
         self.counters.last_step_time = time.time()
-        self.counters.generation_tokens += len(advanced)
+        self.counters.generation_tokens += sum(r.num_new_tokens for r in advanced)
         out = []
         for req in advanced:
             t = self._tracked[req.request_id]
@@ -244,18 +261,26 @@ class LLMEngine:
         return out
 
     def _detokenize(self, t: _Tracked) -> None:
+        """The step's new tokens, one at a time (a verified speculation brings several): a stop string in one of
+        them ends the request there, and the tokens after it are dropped, as if they had never been generated."""
         req, detok = t.request, t.detokenizer
         assert detok is not None
-        if req.sampling_params.min_tokens:
-            detok.stops_active = req.num_output_tokens >= req.sampling_params.min_tokens
-        t.text += detok.add_tokens([req.token_ids[-1]])
-        if detok.stopped is not None:  # a stop string wins, even in the step that hit max_tokens
-            req.stop_reason = detok.stopped
-            if req.is_finished:
-                req.status = RequestStatus.FINISHED_STOPPED
-            else:
-                self.scheduler.stop(req)
-        elif req.is_finished:
+        new = req.token_ids[req.num_tokens - req.num_new_tokens:]
+        for i, token in enumerate(new):
+            if req.sampling_params.min_tokens:
+                detok.stops_active = req.num_output_tokens - (len(new) - 1 - i) >= req.sampling_params.min_tokens
+            t.text += detok.add_tokens([token])
+            if detok.stopped is not None:  # a stop string wins, even in the step that hit max_tokens
+                if (after := len(new) - 1 - i) > 0:
+                    del req.token_ids[-after:]
+                    req.num_new_tokens -= after
+                req.stop_reason = detok.stopped
+                if req.is_finished:
+                    req.status = RequestStatus.FINISHED_STOPPED
+                else:
+                    self.scheduler.stop(req)
+                return
+        if req.is_finished:
             t.text += detok.flush()  # release text held back as a possible stop-string prefix
 
     @staticmethod

@@ -16,11 +16,13 @@ from kvfleet_agent.layers.tp_group import TPGroup
 from kvfleet_agent.models.config import ModelConfig
 from kvfleet_agent.models.llama import LlamaForCausalLM
 from kvfleet_agent.models.loader import LoadReport, load_weights
+from kvfleet_agent.outputs import Logprob
 from kvfleet_agent.sampling_params import SamplingParams
 from kvfleet_agent.worker.cuda_graphs import DecodeGraphRunner
 from kvfleet_agent.worker.device import rank_device, resolve_dtype, to_device
 from kvfleet_agent.worker.kv_budget import cpu_kv_budget, kv_budget_from_profile
 from kvfleet_agent.worker.sampler import PromptLogprobs, Sampler, StepResult, prompt_logprobs
+from kvfleet_agent.worker.spec_sampling import verify_batch
 from kvfleet_agent.worker.startup_phases import StartupPhases
 from kvfleet_agent.worker.step_batch import StepBatch, plan_batch, profile_batch, warmup_steps
 from kvfleet_kernels import dispatch
@@ -217,11 +219,30 @@ class ModelRunner:
             s = len(batch.sample_rows)
             prompt = prompt_logprobs(logits[s:], batch.prompt_spans)
             logits = logits[:s]
+        if not any(c.draft for c in samplers):  # the common step: one row, one token per request
+            return (*self._sample(logits, samplers), prompt)
+        plain: list[int] = []
+        verified: list[int] = []
+        row = 0
+        for c in samplers:  # a verified chunk's rows: its last token's, then one per draft token
+            (verified if c.draft else plain).extend(range(row, row + 1 + len(c.draft)))
+            row += 1 + len(c.draft)
+        spec = [c for c in samplers if c.draft]
+        tokens, logprobs = self._sample(logits[torch.tensor(plain, device=logits.device)],
+                                        [c for c in samplers if not c.draft]) if plain else ({}, {})
+        emitted = verify_batch(logits[torch.tensor(verified, device=logits.device)].float(), [c.draft for c in spec],
+                               [c.sampling_params for c in spec],
+                               [self.sampler.generator(c.request_id, c.sampling_params) for c in spec])
+        tokens.update((c.request_id, out) for c, out in zip(spec, emitted, strict=True))
+        return tokens, logprobs, prompt
+
+    def _sample(self, logits: torch.Tensor, samplers: list[ScheduledChunk]) -> tuple[dict[str, list[int]],
+                                                                                    dict[str, Logprob]]:
         ids = [c.request_id for c in samplers]
         tokens, logprobs = self.sampler.sample(logits, ids, [c.sampling_params for c in samplers],
                                                [c.history for c in samplers])
-        return (dict(zip(ids, tokens, strict=True)),
-                {rid: lp for rid, lp in zip(ids, logprobs, strict=True) if lp is not None}, prompt)
+        return ({rid: [t] for rid, t in zip(ids, tokens, strict=True)},
+                {rid: lp for rid, lp in zip(ids, logprobs, strict=True) if lp is not None})
 
     @torch.inference_mode()
     def forward(self, batch: StepBatch) -> torch.Tensor | None:

@@ -87,6 +87,10 @@ class Sampler:
         return (probs / noise).argmax(dim=-1)
 
     def _generator(self, request_id: str, params: SamplingParams) -> torch.Generator:
+        return self.generator(request_id, params)
+
+    def generator(self, request_id: str, params: SamplingParams) -> torch.Generator:
+        """The generator a request draws from: its own when seeded (kept across steps), else the shared one."""
         if params.seed is None:
             return self.default
         gen = self.generators.get(request_id)
@@ -97,8 +101,9 @@ class Sampler:
 
 
 PromptLogprobs = dict[str, tuple[int, list[Logprob]]]  # request → (first prompt position, its tokens' logprobs)
-# A step's results on rank 0: each sampling request's token, the logprobs asked for, the prompt logprobs.
-StepResult = tuple[dict[str, int], dict[str, Logprob], PromptLogprobs]
+# A step's results on rank 0: each sampling request's tokens (one, or up to 1 + its drafts for a verified
+# speculation), the logprobs asked for, the prompt logprobs.
+StepResult = tuple[dict[str, list[int]], dict[str, Logprob], PromptLogprobs]
 
 
 def prompt_logprobs(logits: torch.Tensor, spans: Sequence[tuple[str, int, list[int], int]]) -> PromptLogprobs:

@@ -25,7 +25,7 @@ class StepBatch:
     slot_mapping: np.ndarray  # [T] where each token's K/V goes in the paged pool
     decode_tables: np.ndarray  # [num_decodes, width] block tables of the decode rows
     prefills: list[tuple[int, int, int, np.ndarray]]  # (query_start, query_len, context_start, block table)
-    sample_rows: np.ndarray  # [S] rows whose hidden state yields a next token
+    sample_rows: np.ndarray  # [S] rows whose hidden state yields a next token (a verified chunk's: 1 + its drafts)
     # Rows whose logits give prompt logprobs (after the sample rows' in the logits), rarely any: every rank
     # computes the same logits (the LM head gathers across ranks); rank 0 reads them by prompt_spans.
     prompt_rows: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
@@ -58,8 +58,8 @@ def plan_batch(chunks: list[ScheduledChunk], block_size: int) -> tuple[StepBatch
         pos_parts.append(pos)
         slot_parts.append(table[pos // bs] * bs + pos % bs)
         spans.append((start, n, c.start_pos, table))
-        if c.sample:
-            sample_rows.append(start + n - 1)
+        if c.sample:  # a verification samples at its last token and at each draft token
+            sample_rows += range(start + n - 1 - len(c.draft), start + n)
         start += n
     batch = StepBatch(np.asarray(ids, dtype=np.int64), np.concatenate(pos_parts), np.concatenate(slot_parts),
                       tables, spans, np.asarray(sample_rows, dtype=np.int64))

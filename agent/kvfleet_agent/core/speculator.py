@@ -1,0 +1,111 @@
+"""Speculator: which running decodes speculate this step and with which draft tokens (n-gram prompt lookup here; a
+draft model's proposals handed in by the engine), and vLLM's speculative-decoding counters."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+from kvfleet_agent.core.ngram import NgramIndex
+from kvfleet_agent.core.request import Request
+from kvfleet_agent.core.spec_policy import SpecPolicy
+from kvfleet_agent.spec_config import SpeculativeConfig
+
+
+@dataclass
+class SpecCounters:
+    """Monotonic totals with vLLM's meaning: verifications (drafts), draft tokens, accepted draft tokens, and
+    accepted tokens by draft position (position i counts verifications that accepted at least i + 1 drafts)."""
+
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_position: list[int] = field(default_factory=list)
+
+    def add(self, proposed: int, accepted: int, k: int) -> None:
+        """One verification of `proposed` drafts that accepted `accepted`."""
+        if len(self.accepted_per_position) < k:
+            self.accepted_per_position += [0] * (k - len(self.accepted_per_position))
+        self.num_drafts += 1
+        self.num_draft_tokens += proposed
+        self.num_accepted_tokens += accepted
+        for i in range(accepted):
+            self.accepted_per_position[i] += 1
+
+
+def eligible(req: Request) -> bool:
+    """Whether a request may speculate: its tokens are sampled from the model's distribution alone. Logits
+    processing, grammars and logprobs read or report per-position state the verification does not rebuild, so
+    those requests decode one token a step (exactly as before), in the same steps as speculating ones."""
+    p = req.sampling_params
+    return (not p.needs_history and p.logprobs is None and p.prompt_logprobs is None
+            and req.num_output_tokens + 1 < p.max_tokens)
+
+
+class Speculator:
+    """Proposes drafts for decode requests and learns from their verification."""
+
+    def __init__(self, config: SpeculativeConfig, policy: SpecPolicy | None = None) -> None:
+        self.config = config
+        self.policy = policy or SpecPolicy(adaptive=config.adaptive,
+                                           disable_by_batch_size=config.disable_by_batch_size)
+        self.counters = SpecCounters(accepted_per_position=[0] * config.num_speculative_tokens)
+        self.indexes: dict[str, NgramIndex] = {}
+        self.external: dict[str, list[int]] = {}  # a draft model's proposals for each request's next step
+        self.shadow: dict[str, int] = {}  # first guesses not sent this step, checked against the sampled token
+
+    def propose(self, decodes: Sequence[Request], num_other_tokens: int, budget: int) -> dict[str, list[int]]:
+        """Drafts for this step's decode requests (only those that get any), within `budget` extra tokens."""
+        proposals: dict[str, list[int]] = {}
+        for req in decodes:
+            if not eligible(req):
+                continue
+            room = min(self.config.num_speculative_tokens, req.sampling_params.max_tokens - req.num_output_tokens - 1,
+                       req.max_model_len - req.num_tokens - 1)
+            guess = self._guess(req, room) if room > 0 else []
+            if guess:
+                proposals[req.request_id] = guess
+        plan = self.policy.plan([(rid, len(d)) for rid, d in proposals.items()], num_other_tokens,
+                                num_decodes=len(decodes))
+        drafts: dict[str, list[int]] = {}
+        for rid, guess in proposals.items():
+            n = min(plan.get(rid, 0), budget)
+            if n > 0:
+                drafts[rid] = guess[:n]
+                budget -= n
+            else:
+                self.shadow[rid] = guess[0]
+        return drafts
+
+    def _guess(self, req: Request, room: int) -> list[int]:
+        if self.config.method != "ngram":
+            return self.external.get(req.request_id, [])[:room]
+        index = self.indexes.get(req.request_id)
+        if index is None:
+            index = self.indexes[req.request_id] = NgramIndex(self.config.prompt_lookup_min,
+                                                              self.config.prompt_lookup_max)
+        index.sync(req.token_ids)
+        return index.propose(room)
+
+    def verified(self, req: Request, draft: Sequence[int], accepted: int) -> None:
+        """A sampling step of `req` ended: it verified `draft` and accepted the first `accepted`, or (no draft)
+        decoded one token, which tells whether the first guess it was not sent would have been accepted."""
+        rid = req.request_id
+        if draft:
+            self.counters.add(len(draft), accepted, self.config.num_speculative_tokens)
+            self.policy.observe(rid, len(draft), accepted)
+        guess = self.shadow.pop(rid, None)
+        if guess is not None and req.num_new_tokens:
+            self.policy.observe_shadow(rid, req.token_ids[req.num_tokens - req.num_new_tokens] == guess)
+
+    def set_proposals(self, proposals: Mapping[str, list[int]]) -> None:
+        """A draft model's proposals for the next step (replacing the previous ones)."""
+        self.external = dict(proposals)
+
+    def forget(self, request_ids: Sequence[str]) -> None:
+        """Drop finished requests' state."""
+        for rid in request_ids:
+            self.indexes.pop(rid, None)
+            self.external.pop(rid, None)
+            self.shadow.pop(rid, None)
+            self.policy.forget(rid)
