@@ -14,7 +14,8 @@ from kvfleet_agent.core.request import Request, RequestStatus
 from kvfleet_agent.core.scheduler import Scheduler
 from kvfleet_agent.core.speculator import Speculator
 from kvfleet_agent.engine.detokenizer import IncrementalDetokenizer
-from kvfleet_agent.engine.stats import EngineCounters, EngineObserver, EngineStats
+from kvfleet_agent.engine.spec_log import SpecLog
+from kvfleet_agent.engine.stats import EngineCounters, EngineObserver, EngineStats, SpecSnapshot
 from kvfleet_agent.models.config import ModelConfig
 from kvfleet_agent.models.tokenizer import Tokenizer, _int_list, _read_json
 from kvfleet_agent.outputs import CompletionOutput, Logprob, RequestOutput
@@ -76,6 +77,7 @@ class LLMEngine:
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
         assert config.max_num_batched_tokens is not None  # set by resolve()
         self.speculator = self._speculator()
+        self.spec_log = SpecLog()
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens,
                                    config.enable_chunked_prefill, self.speculator)
         self.counters = EngineCounters(last_step_time=time.time())
@@ -204,7 +206,14 @@ class LLMEngine:
         sched, kv, c = self.scheduler, self.kv, self.counters
         return EngineStats(len(sched.waiting) + in_flight, len(sched.running), sched.has_work(), kv.pool.usage(),
                            c.prompt_tokens, c.generation_tokens, dict(c.finished), sched.num_preemptions,
-                           kv.prefix_queries, kv.prefix_hits, c.last_step_time)
+                           kv.prefix_queries, kv.prefix_hits, c.last_step_time, self._spec_snapshot())
+
+    def _spec_snapshot(self) -> SpecSnapshot | None:
+        if self.speculator is None:
+            return None
+        sc = self.speculator.counters
+        return SpecSnapshot(self.speculator.config.method, sc.num_drafts, sc.num_draft_tokens, sc.num_accepted_tokens,
+                            tuple(sc.accepted_per_position))
 
     def unfinished_ids(self) -> list[str]:
         """Ids of every request waiting or running."""
@@ -236,6 +245,8 @@ class LLMEngine:
             slots[first:first + len(lps)] = lps
         advanced = self.scheduler.update(plan, tokens)
         now = time.monotonic()
+        if self.spec_log.due(now) and (snap := self._spec_snapshot()) is not None:
+            self.spec_log.maybe_log(snap, now)
         self.counters.last_step_time = time.time()
         self.counters.generation_tokens += sum(r.num_new_tokens for r in advanced)
         out = []

@@ -47,3 +47,21 @@ class EngineStats:
     prefix_cache_queries: int
     prefix_cache_hits: int
     last_step_time: float
+    spec: SpecSnapshot | None = None  # speculative decoding's counters, when it is configured
+
+
+@dataclass(frozen=True)
+class SpecSnapshot:
+    """Speculative decoding's totals (vLLM's meaning): verifications, draft tokens proposed and accepted, accepted
+    tokens by draft position (position i: verifications that accepted at least i + 1 drafts)."""
+
+    method: str
+    num_drafts: int
+    num_draft_tokens: int
+    num_accepted_tokens: int
+    accepted_per_position: tuple[int, ...]
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """Tokens a verification yields on average: the accepted drafts plus the one it always adds (1.0: none)."""
+        return 1.0 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 1.0
