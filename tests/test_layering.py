@@ -20,7 +20,7 @@ PACKAGES = {"kvfleet_agent": ROOT / "agent", "kvfleet_kernels": ROOT / "kernels"
 FLOORS: dict[str, list[list[str]]] = {
     "kvfleet_agent": [
         ["kvfleet_agent.config", "kvfleet_agent.sampling_params", "kvfleet_agent.outputs",
-         "kvfleet_agent.structured_outputs"],  # plain data
+         "kvfleet_agent.structured_outputs", "kvfleet_agent.spec_config"],  # plain data
         ["kvfleet_agent.core"],  # requests, scheduler, KV bookkeeping: no torch
         ["kvfleet_agent.layers"],  # torch modules and their tensor-parallel group
         ["kvfleet_agent.models"],  # model definitions, loader, tokenizer

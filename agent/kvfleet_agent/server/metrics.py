@@ -11,6 +11,7 @@ from prometheus_client.registry import Collector
 
 from kvfleet_agent.core.request import Request
 from kvfleet_agent.engine.async_llm import AsyncLLM
+from kvfleet_agent.server import spec_metrics
 from kvfleet_agent.server.admission import Admission
 from kvfleet_agent.server.vllm_metrics import VllmView
 from kvfleet_agent.worker.startup_phases import StartupPhases
@@ -104,6 +105,7 @@ class AgentMetrics(Collector):
         for reason, n in self.admission.rejected.items():
             outcomes.add_metric([self.model, f"rejected_{reason}"], n)
         yield outcomes
+        yield from spec_metrics.kvfleet_families(stats.spec, contract.MODEL_LABEL, self.model)
         if self.startup is not None:
             phases = GaugeMetricFamily(contract.STARTUP_PHASE_SECONDS,
                                        "Seconds each start-up phase took (first_ready: process start to ready).",

@@ -10,6 +10,7 @@ from prometheus_client.registry import Collector
 
 from kvfleet_agent.core.request import Request
 from kvfleet_agent.engine.async_llm import AsyncLLM
+from kvfleet_agent.server import spec_metrics
 from kvfleet_contract import metrics as contract
 
 
@@ -125,3 +126,4 @@ class VllmView(Collector):
         for reason, n in stats.finished.items():
             success.add_metric([*self.values, reason], n)
         yield success
+        yield from spec_metrics.vllm_families(stats.spec, self.labels, self.values)
