@@ -9,8 +9,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvfleet_operator.core_types import LabelSelector, NetworkPolicyPeer
+from kvfleet_operator.model_sources import ModelSource
 from kvfleet_operator.models import API_VERSION, KIND, InferenceDeployment, InferenceDeploymentSpec
 from kvfleet_operator.rules import API_KEY_ENV
+from kvfleet_operator.speculative_models import DRAFT_MODELS_DIR, TARGET_MODELS_DIR
 
 Manifest = dict[str, Any]
 
@@ -72,7 +74,16 @@ def _metadata(cr: InferenceDeployment, name: str) -> dict[str, Any]:
 def model_dir(spec: InferenceDeploymentSpec) -> str:
     """Where the agent finds the checkpoint inside its pod."""
     image = spec.model.source.image
-    return image.path if image is not None else f"/models/{spec.model.name}"
+    return image.path if image is not None else f"{TARGET_MODELS_DIR}/{spec.model.name}"
+
+
+def draft_dir(spec: InferenceDeploymentSpec) -> str | None:
+    """Where the agent finds the draft model's checkpoint (speculative method draft_model), or None."""
+    sc = spec.runtime.speculative_config
+    if sc is None or sc.draft_model is None:
+        return None
+    image = sc.draft_model.source.image
+    return image.path if image is not None else f"{DRAFT_MODELS_DIR}/{spec.model.name}"
 
 
 def agent_args(spec: InferenceDeploymentSpec, *, args_file: bool = False) -> list[str]:
@@ -93,6 +104,9 @@ def agent_args(spec: InferenceDeploymentSpec, *, args_file: bool = False) -> lis
         args.append("--no-prefix-caching")  # the agent has only the negative flags; on is its default
     if not rt.enable_chunked_prefill:
         args.append("--no-chunked-prefill")
+    if rt.speculative_config is not None:  # the draft runs unsharded on rank 0: nothing to say about TP
+        config = rt.speculative_config.agent_config(draft_dir(spec))
+        args += ["--speculative-config", json.dumps(config, separators=(",", ":"))]
     return args + ([f"@{ARGS_FILE_DIR}/{ARGS_FILE_KEY}"] if args_file else list(rt.extra_args))
 
 
@@ -100,16 +114,26 @@ def _uses_args_file(spec: InferenceDeploymentSpec) -> bool:
     return sum(len(a) + 1 for a in spec.runtime.extra_args) > ARGS_INLINE_LIMIT
 
 
-def _model_volume(spec: InferenceDeploymentSpec) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-    src, mount = spec.model.source, {"name": "model", "mountPath": model_dir(spec), "readOnly": True}
+def _source_volume(src: ModelSource, name: str, path: str) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    mount = {"name": name, "mountPath": path, "readOnly": True}
     if src.pvc is not None:
         if src.pvc.path:
             mount["subPath"] = src.pvc.path
         claim = {"claimName": src.pvc.claim_name, "readOnly": True}
-        return [{"name": "model", "persistentVolumeClaim": claim}], [mount]
+        return [{"name": name, "persistentVolumeClaim": claim}], [mount]
     if src.host_path is not None:
-        return [{"name": "model", "hostPath": {"path": src.host_path.path, "type": "Directory"}}], [mount]
+        return [{"name": name, "hostPath": {"path": src.host_path.path, "type": "Directory"}}], [mount]
     return [], []  # baked into the image
+
+
+def _model_volume(spec: InferenceDeploymentSpec) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """The target model's volume and mount, then the draft model's (speculative method draft_model)."""
+    volumes, mounts = _source_volume(spec.model.source, "model", model_dir(spec))
+    sc, path = spec.runtime.speculative_config, draft_dir(spec)
+    if sc is not None and sc.draft_model is not None and path is not None:
+        draft_volumes, draft_mounts = _source_volume(sc.draft_model.source, "draft-model", path)
+        volumes, mounts = volumes + draft_volumes, mounts + draft_mounts
+    return volumes, mounts
 
 
 def _compile_cache_volume(spec: InferenceDeploymentSpec) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:

@@ -16,6 +16,7 @@ from kvfleet_operator.core_types import (
     SpecModel,
     Toleration,
 )
+from kvfleet_operator.model_sources import ModelSource, clean_path
 from kvfleet_operator.rules import (
     API_KEY_ENV,
     BLOCK_SIZE_RULE,
@@ -26,9 +27,6 @@ from kvfleet_operator.rules import (
     EXTRA_ARGS_API_KEY_RULE,
     EXTRA_ARGS_RULE,
     GPU_RULE,
-    HOST_PATH_RULE,
-    HOST_PATH_SYSTEM_RULE,
-    IMAGE_PATH_RULE,
     LABELS_RULE,
     LATENCY_SECONDS_RULE,
     LATENCY_UNIQUE_RULE,
@@ -40,12 +38,14 @@ from kvfleet_operator.rules import (
     SCALE_DOWN_POLICY_RULE,
     SCALE_TO_ZERO_RULE,
     SCALE_UP_POLICY_RULE,
-    SOURCE_RULE,
-    SUBPATH_RULE,
-    SYSTEM_PARENTS,
-    SYSTEM_SUBTREES,
     cel,
     check,
+)
+from kvfleet_operator.speculative_models import (
+    DRAFT_IMAGE_MOUNT_RULE,
+    TARGET_IMAGE_MOUNT_RULE,
+    SpeculativeConfigSpec,
+    check_mounts,
 )
 from kvfleet_operator.status import InferenceDeploymentStatus
 
@@ -54,83 +54,6 @@ VERSION = "v1alpha1"
 API_VERSION = f"{GROUP}/{VERSION}"
 KIND = "InferenceDeployment"
 PLURAL = "inferencedeployments"
-
-
-def _clean_path(path: str) -> bool:
-    return "/../" not in f"/{path}/"
-
-
-class PvcSource(SpecModel):
-    """The model directory on a PersistentVolumeClaim, mounted read-only."""
-
-    model_config = ConfigDict(json_schema_extra=cel(SUBPATH_RULE))
-    claim_name: str = Field(min_length=1, max_length=253)
-    """Name of the PersistentVolumeClaim in the same namespace."""
-    path: str = Field(default="", max_length=4096)
-    """Sub-path of the model directory inside the claim ("" for its root)."""
-
-    @model_validator(mode="after")
-    def _sub_path(self) -> PvcSource:
-        check(not self.path.startswith("/") and _clean_path(self.path), SUBPATH_RULE)
-        return self
-
-
-def host_path_is_clean(path: str) -> bool:
-    """HOST_PATH_RULE: absolute, without '.', '..' or empty segments ("/" passes: see host_path_is_system)."""
-    return path == "/" or (re.fullmatch(r"(/[^/]+)+/?", path) is not None and _clean_path(path)
-                           and "/./" not in f"{path}/")
-
-
-def host_path_is_system(path: str) -> bool:
-    """HOST_PATH_SYSTEM_RULE: the node's root or a system directory (the path as written: see HostPathSource)."""
-    return (path in SYSTEM_PARENTS or path in {f"{p}/" for p in SYSTEM_PARENTS[1:]}
-            or any(f"{path}/".startswith(f"{d}/") for d in SYSTEM_SUBTREES))
-
-
-class HostPathSource(SpecModel):
-    """The model directory on every node (a hostPath volume of type Directory), mounted read-only. The path may
-    not be the node's root or a system directory (/etc, /proc, /sys, /dev, /run, /usr, /var/lib/kubelet, ...); it
-    is checked as written, so a symlink on the node pointing into one is the node administrator's to avoid."""
-
-    model_config = ConfigDict(json_schema_extra=cel(HOST_PATH_RULE, HOST_PATH_SYSTEM_RULE))
-    path: str = Field(min_length=1, max_length=4096)
-    """Absolute path of the model directory on the node, e.g. /data/models/llama-3-8b."""
-
-    @model_validator(mode="after")
-    def _absolute(self) -> HostPathSource:
-        check(host_path_is_clean(self.path), HOST_PATH_RULE)
-        check(not host_path_is_system(self.path), HOST_PATH_SYSTEM_RULE)
-        return self
-
-
-class ImageSource(SpecModel):
-    """The model directory baked into the agent image."""
-
-    model_config = ConfigDict(json_schema_extra=cel(IMAGE_PATH_RULE))
-    path: str = Field(min_length=1, max_length=4096)
-    """Absolute path of the model directory inside the agent image."""
-
-    @model_validator(mode="after")
-    def _absolute(self) -> ImageSource:
-        check(self.path.startswith("/") and _clean_path(self.path), IMAGE_PATH_RULE)
-        return self
-
-
-class ModelSource(SpecModel):
-    """Where the Hugging Face checkpoint directory comes from: exactly one of pvc, hostPath or image."""
-
-    model_config = ConfigDict(json_schema_extra=cel(SOURCE_RULE))
-    pvc: PvcSource | None = None
-    """A PersistentVolumeClaim holding the checkpoint (the usual choice)."""
-    host_path: HostPathSource | None = None
-    """A directory present on every GPU node."""
-    image: ImageSource | None = None
-    """A directory inside the agent image."""
-
-    @model_validator(mode="after")
-    def _exactly_one(self) -> ModelSource:
-        check(sum(s is not None for s in (self.pvc, self.host_path, self.image)) == 1, SOURCE_RULE)
-        return self
 
 
 class ModelSpec(SpecModel):
@@ -161,7 +84,7 @@ class CompileCacheSpec(SpecModel):
 
     @model_validator(mode="after")
     def _sub_path(self) -> CompileCacheSpec:
-        check(not self.path.startswith("/") and _clean_path(self.path), COMPILE_CACHE_PATH_RULE)
+        check(not self.path.startswith("/") and clean_path(self.path), COMPILE_CACHE_PATH_RULE)
         return self
 
 
@@ -198,6 +121,9 @@ class RuntimeSpec(SpecModel):
     """Where compiled kernels persist across pod restarts (TRITON_CACHE_DIR and TORCHINDUCTOR_CACHE_DIR point
     under it; default: none, each pod compiles anew). CUDA graphs are captured at every start: they cannot be
     stored."""
+    speculative_config: SpeculativeConfigSpec | None = None
+    """Speculative decoding (--speculative-config; default: none): n-gram prompt lookup, or a draft model mounted
+    read-only beside the target."""
     extra_args: list[Annotated[str, Field(max_length=1024)]] = Field(
         default_factory=list, max_length=64, json_schema_extra=cel(EXTRA_ARGS_RULE, EXTRA_ARGS_API_KEY_RULE))
     """Extra kvfleet-agent serve arguments, appended last (an escape hatch: later flags win; not --api-key, which
@@ -442,7 +368,7 @@ class NetworkPolicySpec(SpecModel):
 class InferenceDeploymentSpec(SpecModel):
     """Desired state: a model served by a fleet of kvfleet agents."""
 
-    model_config = ConfigDict(json_schema_extra=cel(GPU_RULE))
+    model_config = ConfigDict(json_schema_extra=cel(GPU_RULE, DRAFT_IMAGE_MOUNT_RULE, TARGET_IMAGE_MOUNT_RULE))
     model: ModelSpec
     """The model to serve and where its checkpoint comes from."""
     image: str | None = Field(default=None, max_length=512)
@@ -473,6 +399,7 @@ class InferenceDeploymentSpec(SpecModel):
     @model_validator(mode="after")
     def _gpus(self) -> InferenceDeploymentSpec:
         check(self.gpus_per_replica % self.runtime.tensor_parallel_size == 0, GPU_RULE)
+        check_mounts(self.model.name, self.model.source, self.runtime.speculative_config)
         return self
 
 

@@ -41,17 +41,9 @@ NAME_RULE = Rule("self.metadata.name.matches('^[a-z]([-a-z0-9]*[a-z0-9])?$') && 
 MODEL_NAME_RULE = Rule("self.matches('^[A-Za-z0-9][A-Za-z0-9._/:-]*$') && !self.contains('..')",
                        "spec.model.name may hold only letters, digits and . _ / : - (starting with a letter or digit) "
                        "and no '..', since it is also the mount path /models/<name>: rename the served model")
-SOURCE_RULE = Rule("(has(self.pvc) ? 1 : 0) + (has(self.hostPath) ? 1 : 0) + (has(self.image) ? 1 : 0) == 1",
-                   "spec.model.source must set exactly one of pvc, hostPath or image: keep one and remove the others")
-SUBPATH_RULE = Rule("!self.path.startsWith('/') && !('/' + self.path + '/').contains('/../')",
-                    "spec.model.source.pvc.path is a sub-path inside the claim: make it relative (no leading '/') "
-                    "and without '..'", ".path")
 COMPILE_CACHE_PATH_RULE = Rule("!self.path.startsWith('/') && !('/' + self.path + '/').contains('/../')",
                                "spec.runtime.compileCache.path is a sub-path inside the claim: make it relative (no "
                                "leading '/') and without '..', or leave it out to use the claim's root", ".path")
-IMAGE_PATH_RULE = Rule("self.path.startsWith('/') && !(self.path + '/').contains('/../')",
-                       "spec.model.source.image.path must be an absolute path without '..' inside the agent image, "
-                       "e.g. /opt/models/tiny", ".path")
 BLOCK_SIZE_RULE = Rule(f"self in [{', '.join(map(str, BLOCK_SIZES))}]",
                        "spec.runtime.blockSize must be a power of two up to 256: use 16 unless you measured otherwise")
 EXTRA_ARGS_RULE = Rule("self.all(a, !a.contains('\\n'))",
@@ -103,18 +95,50 @@ SYSTEM_SUBTREES = ("/etc", "/proc", "/sys", "/dev", "/boot", "/root", "/run", "/
                    "/lib", "/lib32", "/lib64", "/libx32", "/var/lib/kubelet", "/var/lib/containerd",
                    "/var/lib/docker", "/var/lib/etcd", "/var/lib/cni", "/var/log")
 SYSTEM_PARENTS = ("/", "/var", "/var/lib", "/home")
-HOST_PATH_RULE = Rule(
-    # "/" passes this rule so that HOST_PATH_SYSTEM_RULE, which says why it is refused, reports it.
-    "self.path == '/' || (self.path.matches('^(/[^/]+)+/?$') && !(self.path + '/').contains('/../') && "
-    "!(self.path + '/').contains('/./'))",
-    "spec.model.source.hostPath.path must be an absolute path on the node without '.', '..' or empty ('//') "
-    "segments, e.g. /data/models/llama-3-8b", ".path")
-HOST_PATH_SYSTEM_RULE = Rule(
-    f"!(self.path in [{', '.join(repr(p) for p in SYSTEM_PARENTS + tuple(p + '/' for p in SYSTEM_PARENTS[1:]))}]) "
-    f"&& ![{', '.join(repr(p) for p in SYSTEM_SUBTREES)}].exists(d, (self.path + '/').startsWith(d + '/'))",
-    f"spec.model.source.hostPath.path must not be a system directory of the node: not {', '.join(SYSTEM_PARENTS)} "
-    f"themselves, nor {', '.join(SYSTEM_SUBTREES)} or anything under them. Keep the checkpoint in a directory of "
-    "its own, e.g. /data/models/llama-3-8b, or use a pvc source", ".path")
+_SYSTEM_PATHS = SYSTEM_PARENTS + tuple(p + "/" for p in SYSTEM_PARENTS[1:])  # the parents, as written either way
+
+
+@dataclass(frozen=True)
+class SourceRules:
+    """The rules of a checkpoint source (pvc, hostPath or image), their messages naming the field at `where`."""
+
+    source: Rule
+    sub_path: Rule
+    host_path: Rule
+    host_path_system: Rule
+    image_path: Rule
+
+    def all(self) -> tuple[Rule, ...]:
+        return self.source, self.sub_path, self.host_path, self.host_path_system, self.image_path
+
+
+def source_rules(where: str) -> SourceRules:
+    """The rules of the checkpoint source at `where` (spec.model.source, or the draft model's)."""
+    return SourceRules(
+        Rule("(has(self.pvc) ? 1 : 0) + (has(self.hostPath) ? 1 : 0) + (has(self.image) ? 1 : 0) == 1",
+             f"{where} must set exactly one of pvc, hostPath or image: keep one and remove the others"),
+        Rule("!self.path.startsWith('/') && !('/' + self.path + '/').contains('/../')",
+             f"{where}.pvc.path is a sub-path inside the claim: make it relative (no leading '/') and without '..'",
+             ".path"),
+        Rule(  # "/" passes this rule so that the system-directory rule, which says why it is refused, reports it.
+            "self.path == '/' || (self.path.matches('^(/[^/]+)+/?$') && !(self.path + '/').contains('/../') && "
+            "!(self.path + '/').contains('/./'))",
+            f"{where}.hostPath.path must be an absolute path on the node without '.', '..' or empty ('//') "
+            "segments, e.g. /data/models/llama-3-8b", ".path"),
+        Rule(f"!(self.path in [{', '.join(repr(p) for p in _SYSTEM_PATHS)}]) "
+             f"&& ![{', '.join(repr(p) for p in SYSTEM_SUBTREES)}].exists(d, (self.path + '/').startsWith(d + '/'))",
+             f"{where}.hostPath.path must not be a system directory of the node: not {', '.join(SYSTEM_PARENTS)} "
+             f"themselves, nor {', '.join(SYSTEM_SUBTREES)} or anything under them. Keep the checkpoint in a "
+             "directory of its own, e.g. /data/models/llama-3-8b, or use a pvc source", ".path"),
+        Rule("self.path.startsWith('/') && !(self.path + '/').contains('/../')",
+             f"{where}.image.path must be an absolute path without '..' inside the agent image, e.g. /opt/models/tiny",
+             ".path"))
+
+
+MODEL_SOURCE_RULES = source_rules("spec.model.source")
+SOURCE_RULE, SUBPATH_RULE = MODEL_SOURCE_RULES.source, MODEL_SOURCE_RULES.sub_path
+HOST_PATH_RULE, HOST_PATH_SYSTEM_RULE = MODEL_SOURCE_RULES.host_path, MODEL_SOURCE_RULES.host_path_system
+IMAGE_PATH_RULE = MODEL_SOURCE_RULES.image_path
 
 API_KEY_ENV = "KVFLEET_API_KEY"  # the agent reads its --api-key from it
 ENV_VALUE_RULE = Rule("has(self.value) != has(self.valueFrom)",
