@@ -164,6 +164,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     offline.add_arguments(offline_parser)
     _engine_flags(offline_parser)
 
+    from kvfleet_agent.bench import spec as spec_bench
+
+    spec_bench.add_arguments(bench.add_parser("spec", help="speculative decoding against none: decode tokens/s "
+                                              "and ITL by workload, batch size and configuration"))
+
     serve = sub.add_parser("serve", help="serve a model over OpenAI-compatible HTTP and gRPC")
     cli_serve.add_serve_arguments(serve)
     _engine_flags(serve)
@@ -184,6 +189,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         elif a.command == "serve":
             return cli_serve.run_serve(a, _engine_options(a))
         elif a.command == "bench":
+            if a.action == "spec":
+                return spec_bench.main(a)
             return offline.main(a, _engine_options(a)) if a.action == "offline" else loadgen.main(a)
         else:
             from kvfleet_agent.models.tiny import init_tiny

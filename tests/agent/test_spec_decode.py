@@ -117,7 +117,7 @@ def test_stops_and_lengths_inside_a_speculated_run_end_it_there(tiny_checkpoint:
         mid = out.token_ids[len(out.token_ids) // 2]
         text = out.text[len(out.text) // 2:len(out.text) // 2 + 2]
         cases += [SamplingParams(temperature=0.0, max_tokens=40, stop_token_ids=[mid], ignore_eos=True),
-                  SamplingParams(temperature=0.0, max_tokens=40, stop=[text] if text.strip() else None,
+                  SamplingParams(temperature=0.0, max_tokens=40, stop=[text] if text.strip() else [],
                                  ignore_eos=True),
                   SamplingParams(temperature=0.0, max_tokens=len(out.token_ids) // 2 + 1, ignore_eos=True)]
     prompts = [p for p in REPETITIVE for _ in range(3)]

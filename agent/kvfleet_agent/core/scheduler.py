@@ -8,7 +8,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from kvfleet_agent.core.kv_cache import KVCacheManager
 from kvfleet_agent.core.request import Request, RequestStatus
 from kvfleet_agent.core.scheduler_output import ScheduledChunk, SchedulerOutput, TokenHistory
-from kvfleet_agent.core.speculator import Speculator
+from kvfleet_agent.core.speculator import Speculator, eligible
 
 
 class Scheduler:
@@ -71,8 +71,9 @@ class Scheduler:
                     # Prefills hold blocks for all their known tokens since admission, so they never
                     # grow here, and so never preempt a request this step has already scheduled.
                     assert len(self.kv.block_table(req.request_id)) >= self.kv.blocks_for(req.num_tokens)
-                elif draft and self.kv.grow(req.request_id, req.num_computed_tokens + 1 + len(draft)):
-                    n += len(draft)  # speculation takes free blocks only: it never preempts anyone
+                elif draft and self._draft_fits(req, len(draft), self.running[i:]) and \
+                        self.kv.grow(req.request_id, req.num_computed_tokens + 1 + len(draft)):
+                    n += len(draft)
                 elif not self._grow_or_preempt(req, req.num_computed_tokens + n, preempted):
                     break  # req itself was the newest and went back to the queue
                 else:
@@ -83,6 +84,7 @@ class Scheduler:
 
         if not preempted:  # under memory pressure, let the running requests drain first
             budget = self._admit(budget, chunks)
+        self._lookahead(chunks)
 
         finished, self._finished = self._finished, []
         return SchedulerOutput(chunks, self.max_num_batched_tokens - budget, preempted, finished)
@@ -94,6 +96,32 @@ class Scheduler:
         decodes = [r for r in self.running if r.num_tokens - r.num_computed_tokens == 1]
         prefilling = sum(r.num_tokens - r.num_computed_tokens for r in self.running) - len(decodes)
         return self.speculator.propose(decodes, min(prefilling, budget), max(0, budget - len(decodes)))
+
+    def _draft_fits(self, req: Request, num_draft: int, later: list[Request]) -> bool:
+        """Whether a request's drafts may take blocks: only free ones beyond one for each decode still to grow this
+        step (what its own token may need), so speculation never makes anyone preempted."""
+        need = self.kv.blocks_for(req.num_computed_tokens + 1 + num_draft) - len(self.kv.block_table(req.request_id))
+        spare = sum(1 for r in later if r.num_tokens - r.num_computed_tokens == 1)
+        return need <= self.kv.pool.num_free - spare
+
+    def _lookahead(self, chunks: list[ScheduledChunk]) -> None:
+        """A draft model's lookahead slots (vLLM's): after the step, the draft runs the request's newest token and its
+        own proposals at the k positions from the chunk's end on, writing their K/V into the request's blocks, so
+        the blocks must already cover them. Taken after every chunk and admission, from free blocks beyond one per
+        running request (what their next step's own growth may need): speculation never preempts, and never takes
+        what a plain decode would need; a request whose lookahead does not fit gets fewer or no proposals."""
+        spec = self.speculator
+        if spec is None or spec.config.method != "draft_model":
+            return
+        k = spec.config.num_speculative_tokens
+        for c in chunks:
+            req = self.requests[c.request_id]
+            if not c.sample or req.status is not RequestStatus.RUNNING or not eligible(req):
+                continue
+            table = self.kv.block_table(req.request_id)
+            need = self.kv.blocks_for(min(c.start_pos + len(c.token_ids) + k, req.max_model_len)) - len(table)
+            if 0 < need <= self.kv.pool.num_free - len(self.running):
+                self.kv.grow(req.request_id, (len(table) + need) * self.kv.block_size)
 
     def _admit(self, budget: int, chunks: list[ScheduledChunk]) -> int:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:

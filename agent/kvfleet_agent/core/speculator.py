@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from kvfleet_agent.core.ngram import NgramIndex
 from kvfleet_agent.core.request import Request
 from kvfleet_agent.core.spec_policy import SpecPolicy
+from kvfleet_agent.sampling_params import SamplingParams
 from kvfleet_agent.spec_config import SpeculativeConfig
 
 
@@ -33,13 +34,16 @@ class SpecCounters:
             self.accepted_per_position[i] += 1
 
 
+def speculates(params: SamplingParams) -> bool:
+    """Whether requests with these params may speculate: their tokens are sampled from the model's distribution
+    alone. Logits processing, grammars and logprobs read or report per-position state the verification does not
+    rebuild, so those requests decode one token a step (exactly as before), in the same steps as speculating ones."""
+    return not params.needs_history and params.logprobs is None and params.prompt_logprobs is None
+
+
 def eligible(req: Request) -> bool:
-    """Whether a request may speculate: its tokens are sampled from the model's distribution alone. Logits
-    processing, grammars and logprobs read or report per-position state the verification does not rebuild, so
-    those requests decode one token a step (exactly as before), in the same steps as speculating ones."""
-    p = req.sampling_params
-    return (not p.needs_history and p.logprobs is None and p.prompt_logprobs is None
-            and req.num_output_tokens + 1 < p.max_tokens)
+    """Whether a request may speculate now: its params allow it (speculates) and max_tokens leaves room for a draft."""
+    return speculates(req.sampling_params) and req.num_output_tokens + 1 < req.sampling_params.max_tokens
 
 
 class Speculator:

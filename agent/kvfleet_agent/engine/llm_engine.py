@@ -96,9 +96,6 @@ class LLMEngine:
         if spec is None:
             return None
         assert isinstance(spec, SpeculativeConfig)  # EngineConfig parsed it
-        if spec.method != "ngram":
-            raise ValueError(f"speculative_config.method={spec.method!r} is not served by this engine yet: use "
-                             "'ngram'")
         log.info("%s", spec.describe())
         return Speculator(spec)
 
@@ -236,9 +233,11 @@ class LLMEngine:
             if req.first_scheduled_time is None:
                 req.first_scheduled_time = now
         started = time.perf_counter()
-        tokens, logprobs, prompt_logprobs = self.executor.execute(plan)
+        tokens, logprobs, prompt_logprobs, proposals = self.executor.execute(plan)
         if self.speculator is not None:  # the step-time model the adaptive policy decides on
             self.speculator.policy.observe_step(plan.num_batched_tokens, time.perf_counter() - started)
+            # A draft model's guesses for the next step; before update, whose retiring forgets finished requests'.
+            self.speculator.set_proposals(proposals)
         for rid, (first, lps) in prompt_logprobs.items():
             slots = self._tracked[rid].prompt_logprobs
             assert slots is not None

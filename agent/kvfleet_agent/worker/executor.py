@@ -186,6 +186,7 @@ class Executor:
         with self.runner.startup.phase("warmup"):
             for step in warmup_steps(self.runner.block_size):
                 self.execute(step)
+                self.runner.forget(step.finished)  # execute forgot them before the step that made their state
 
     def execute(self, out: SchedulerOutput) -> StepResult:
         """One step on every rank: plan its batch, send it to the workers, run it here; rank 0 samples.
@@ -195,7 +196,7 @@ class Executor:
         self.check()
         self.runner.forget(out.finished)
         if not out.chunks:
-            return {}, {}, {}
+            return {}, {}, {}, {}
         batch, samplers = plan_batch(out.chunks, self.runner.block_size)
         if not self.workers:
             return self.runner.execute(batch, samplers)

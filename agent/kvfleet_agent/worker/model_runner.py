@@ -1,4 +1,5 @@
-"""Model runner: one rank's model and KV tensors; runs a step's batch, and on rank 0 samples its tokens."""
+"""Model runner: one rank's model and KV tensors; runs a step's batch, and on rank 0 samples its tokens (and runs the
+draft model, with speculative decoding by one)."""
 
 from __future__ import annotations
 
@@ -11,26 +12,25 @@ import torch
 
 from kvfleet_agent.config import EngineConfig
 from kvfleet_agent.core.scheduler_output import ScheduledChunk
-from kvfleet_agent.layers.attention import AttentionMetadata, DecodeGroup, PagedAttention, PrefillSpan
+from kvfleet_agent.layers.attention import PagedAttention
 from kvfleet_agent.layers.tp_group import TPGroup
 from kvfleet_agent.models.config import ModelConfig
 from kvfleet_agent.models.llama import LlamaForCausalLM
 from kvfleet_agent.models.loader import LoadReport, load_weights
 from kvfleet_agent.outputs import Logprob
 from kvfleet_agent.sampling_params import SamplingParams
+from kvfleet_agent.spec_config import SpeculativeConfig
 from kvfleet_agent.worker.cuda_graphs import DecodeGraphRunner
 from kvfleet_agent.worker.device import rank_device, resolve_dtype, to_device
+from kvfleet_agent.worker.draft_model import DraftModel
 from kvfleet_agent.worker.kv_budget import cpu_kv_budget, kv_budget_from_profile
 from kvfleet_agent.worker.sampler import PromptLogprobs, Sampler, StepResult, prompt_logprobs
 from kvfleet_agent.worker.spec_sampling import verify_batch
 from kvfleet_agent.worker.startup_phases import StartupPhases
-from kvfleet_agent.worker.step_batch import StepBatch, plan_batch, profile_batch, warmup_steps
+from kvfleet_agent.worker.step_batch import StepBatch, StepInputs, plan_batch, profile_batch, step_inputs, warmup_steps
 from kvfleet_kernels import dispatch
-from kvfleet_kernels.plan import decode_plan
 
 log = logging.getLogger(__name__)
-
-DECODE_GROUP = 16  # decode rows per attention call; measured best on CPU (gathered K/V stays in cache)
 
 
 class ModelRunner:
@@ -70,6 +70,11 @@ class ModelRunner:
         self.num_blocks = 0
         self.decode_graphs = DecodeGraphRunner(self.model, model_cfg.hidden_size, self.dtype, self.device,
                                                config.max_num_seqs, max_model_len, self.block_size)
+        spec, self.draft = config.speculative_config, None
+        if isinstance(spec, SpeculativeConfig) and spec.method == "draft_model" and self.tp.rank == 0:
+            # Rank 0 alone holds it, whole, beside its shard of the target: it proposes, the ranks verify together.
+            self.draft = DraftModel(spec, model_cfg, config.model, max_model_len, self.block_size, self.device,
+                                    self.dtype, self.step_inputs)
 
     def param_bytes(self) -> int:
         """Bytes of this rank's parameters (a tied embedding and LM head count once)."""
@@ -80,10 +85,11 @@ class ModelRunner:
         return [tuple(layer.k_cache.shape) for layer in self.attn_layers]
 
     def bytes_per_block(self) -> int:
-        """KV bytes of one block across all layers (keys and values) for this rank's heads."""
+        """KV bytes of one block across all layers (keys and values) for this rank's heads, and the draft's."""
         a = self.attn_layers[0]
         elem = torch.empty(0, dtype=self.dtype).element_size()
-        return 2 * len(self.attn_layers) * self.block_size * a.num_kv_heads * a.head_dim * elem
+        return 2 * len(self.attn_layers) * self.block_size * a.num_kv_heads * a.head_dim * elem + \
+            (self.draft.bytes_per_block() if self.draft is not None else 0)
 
     def kv_budget_bytes(self) -> int:
         """Bytes for the KV pool: the configured budget; on GPU what a profiling pass leaves; a RAM share on CPU."""
@@ -138,6 +144,8 @@ class ModelRunner:
                 shape = (1, self.block_size, layer.num_kv_heads, layer.head_dim)
                 layer.k_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
                 layer.v_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+            if self.draft is not None:
+                self.draft.allocate(1, stand_in=True)
         assert self.config.max_num_batched_tokens is not None  # set by EngineConfig.resolve
         batch = profile_batch(self.config.max_num_batched_tokens, self.config.max_num_seqs, self.max_model_len)
         hidden, rows = self._eager_hidden(batch)
@@ -148,6 +156,9 @@ class ModelRunner:
         params = [SamplingParams(temperature=1.0, top_k=50, top_p=0.9, seed=0, max_tokens=1)] * len(ids)
         self.sampler.sample(logits, ids, params)
         self.sampler.forget(ids)
+        if self.draft is not None:  # it runs after the target in a step: the peak is the larger pass's
+            del logits
+            self.draft.profile(batch)
         return len(batch.input_ids)
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
@@ -158,6 +169,8 @@ class ModelRunner:
             shape = (num_blocks, self.block_size, layer.num_kv_heads, layer.head_dim)
             layer.k_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
             layer.v_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        if self.draft is not None:
+            self.draft.allocate(num_blocks)
 
     def warmup(self) -> None:
         """Run the warm-up steps on this rank alone (a group of one)."""
@@ -201,16 +214,26 @@ class ModelRunner:
                  time.perf_counter() - start, (free_before - torch.cuda.mem_get_info(self.device)[0]) / 2**20)
 
     def forget(self, request_ids: Iterable[str]) -> None:
-        """Drop the sampling state (seeded generators) of requests that finished."""
-        self.sampler.forget(request_ids)
+        """Drop the sampling state (seeded generators, the draft's) of requests that finished."""
+        ids = list(request_ids)
+        self.sampler.forget(ids)
+        if self.draft is not None:
+            self.draft.forget(ids)
 
     @torch.inference_mode()
     def execute(self, batch: StepBatch, samplers: list[ScheduledChunk]) -> StepResult:
-        """Run a step's batch and sample it (rank 0): the next token (and logprobs if asked) of each sampling chunk.
+        """Run a step's batch and sample it (rank 0): the next token (and logprobs if asked) of each sampling chunk,
+        and with a draft model its proposals for the next step.
 
         `samplers` are the chunks that sample, in the order of the batch's sample rows (plan_batch's second
         result). Other ranks run `forward` alone on the same batch; the collectives inside keep them in step.
         """
+        tokens, logprobs, prompt = self._run(batch, samplers)
+        proposals = self.draft.step(batch, samplers, tokens, self.sampler) if self.draft is not None else {}
+        return tokens, logprobs, prompt, proposals
+
+    def _run(self, batch: StepBatch, samplers: list[ScheduledChunk]) -> tuple[dict[str, list[int]],
+                                                                             dict[str, Logprob], PromptLogprobs]:
         logits = self.forward(batch)
         if logits is None:
             return {}, {}, {}
@@ -232,7 +255,8 @@ class ModelRunner:
                                         [c for c in samplers if not c.draft]) if plain else ({}, {})
         emitted = verify_batch(logits[torch.tensor(verified, device=logits.device)].float(), [c.draft for c in spec],
                                [c.sampling_params for c in spec],
-                               [self.sampler.generator(c.request_id, c.sampling_params) for c in spec])
+                               [self.sampler.generator(c.request_id, c.sampling_params) for c in spec],
+                               [self.draft.draft_probs(c) for c in spec] if self.draft is not None else None)
         tokens.update((c.request_id, out) for c, out in zip(spec, emitted, strict=True))
         return tokens, logprobs, prompt
 
@@ -265,27 +289,9 @@ class ModelRunner:
 
     def _eager_hidden(self, batch: StepBatch) -> tuple[torch.Tensor, torch.Tensor]:
         """The model run eagerly over any batch: (hidden states [T, hidden], the sample rows on the device)."""
-        nd = batch.decode_tables.shape[0]
-        arrays = [batch.input_ids, batch.positions, batch.slot_mapping, batch.sample_rows, batch.decode_tables,
-                  batch.positions[:nd] + 1, *(table for *_, table in batch.prefills)]
-        ids, positions, slots, rows, tables, seq_lens, *prefill_tables = to_device(arrays, self.device)
-        meta = AttentionMetadata(
-            slot_mapping=slots,
-            decode_groups=self._decode_groups(tables, seq_lens, batch.positions[:nd]),
-            prefills=[PrefillSpan(s, n, ctx, t) for (s, n, ctx, _), t in zip(batch.prefills, prefill_tables,
-                                                                             strict=True)],
-        )
+        ids, positions, rows, meta = self.step_inputs(batch)
         return self.model(ids, positions, meta), rows
 
-    def _decode_groups(self, tables: torch.Tensor, seq_lens: torch.Tensor, positions: np.ndarray) -> list[DecodeGroup]:
-        """Split the (length-sorted) decode rows into groups and plan each group's gather once.
-
-        Each group's longest context comes from the host copy of the positions: no device read.
-        """
-        groups = []
-        for start in range(0, len(positions), DECODE_GROUP):
-            end = min(start + DECODE_GROUP, len(positions))
-            flat, valid = decode_plan(tables[start:end], seq_lens[start:end], self.block_size,
-                                                int(positions[end - 1]) + 1)
-            groups.append(DecodeGroup(start, end, flat, valid))
-        return groups
+    def step_inputs(self, batch: StepBatch) -> StepInputs:
+        """The batch's model inputs on this rank's device (any model's: the draft's pool has the same blocks)."""
+        return step_inputs(batch, self.device, self.block_size)

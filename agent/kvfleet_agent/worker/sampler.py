@@ -102,8 +102,9 @@ class Sampler:
 
 PromptLogprobs = dict[str, tuple[int, list[Logprob]]]  # request → (first prompt position, its tokens' logprobs)
 # A step's results on rank 0: each sampling request's tokens (one, or up to 1 + its drafts for a verified
-# speculation), the logprobs asked for, the prompt logprobs.
-StepResult = tuple[dict[str, list[int]], dict[str, Logprob], PromptLogprobs]
+# speculation), the logprobs asked for, the prompt logprobs, and a draft model's proposals for each request's next
+# step (empty without a draft model).
+StepResult = tuple[dict[str, list[int]], dict[str, Logprob], PromptLogprobs, dict[str, list[int]]]
 
 
 def prompt_logprobs(logits: torch.Tensor, spans: Sequence[tuple[str, int, list[int], int]]) -> PromptLogprobs:

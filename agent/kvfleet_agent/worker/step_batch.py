@@ -1,15 +1,24 @@
-"""A step's batch: the scheduler's chunks flattened into numpy arrays, and the synthetic steps (warm-up, profile)."""
+"""A step's batch: the scheduler's chunks flattened into numpy arrays, the synthetic steps (warm-up, profile), and
+the batch's model inputs on a device."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
 import numpy as np
+import torch
 
 from kvfleet_agent.core.scheduler_output import ScheduledChunk, SchedulerOutput
+from kvfleet_agent.layers.attention import AttentionMetadata, DecodeGroup, PrefillSpan
 from kvfleet_agent.sampling_params import SamplingParams
+from kvfleet_agent.spec_config import MAX_SPECULATIVE_TOKENS
+from kvfleet_agent.worker.device import to_device
+from kvfleet_kernels.plan import decode_plan
 
 PromptSpan = tuple[str, int, list[int], int]  # (request, position of the first target, targets, top-k)
+# A step's model inputs on the device: token ids, positions, sample rows, attention metadata.
+StepInputs = tuple[torch.Tensor, torch.Tensor, torch.Tensor, AttentionMetadata]
+DECODE_GROUP = 16  # decode rows per attention call; measured best on CPU (gathered K/V stays in cache)
 
 
 @dataclass(slots=True)
@@ -86,10 +95,11 @@ def _plan_prompt_rows(batch: StepBatch, chunks: list[ScheduledChunk]) -> None:
 def warmup_steps(block_size: int) -> list[SchedulerOutput]:
     """One throwaway prefill and decode, so the first real request does not pay for lazy init.
 
-    They write K/V into block 0, which is harmless: no block is read before its owner writes it.
+    They write K/V into block 0, which is harmless: no block is read before its owner writes it. Half a block of
+    prompt and room in max_tokens: a draft model then proposes inside block 0 after each, warming its decode path.
     """
-    params = SamplingParams(max_tokens=1, temperature=0.0)
-    n = min(block_size, 8)
+    params = SamplingParams(max_tokens=MAX_SPECULATIVE_TOKENS + 2, temperature=0.0)
+    n = max(1, min(block_size // 2, 8))
     prefill = ScheduledChunk("warmup", [0] * n, 0, [0], True, params)
     decode = ScheduledChunk("warmup-decode", [0], n - 1, [0], True, params)
     return [SchedulerOutput([prefill], n), SchedulerOutput([decode], 1, finished=["warmup", "warmup-decode"])]
@@ -109,3 +119,36 @@ def profile_batch(num_tokens: int, max_num_seqs: int, max_model_len: int) -> Ste
     return StepBatch(np.zeros(total, dtype=np.int64), np.concatenate([np.arange(n) for n in lens]),
                      np.full(total, -1, dtype=np.int64), np.zeros((0, 1), dtype=np.int64), spans,
                      (starts + lens - 1).astype(np.int64))
+
+
+def step_inputs(batch: StepBatch, device: torch.device, block_size: int) -> StepInputs:
+    """The batch on the device, for an eager forward: token ids, positions, sample rows and attention metadata.
+
+    The metadata depends on the pool's layout alone (block size, tables, slots), not on the model, so a draft model
+    whose pool has the target's blocks runs on the same inputs.
+    """
+    nd = batch.decode_tables.shape[0]
+    arrays = [batch.input_ids, batch.positions, batch.slot_mapping, batch.sample_rows, batch.decode_tables,
+              batch.positions[:nd] + 1, *(table for *_, table in batch.prefills)]
+    ids, positions, slots, rows, tables, seq_lens, *prefill_tables = to_device(arrays, device)
+    meta = AttentionMetadata(
+        slot_mapping=slots,
+        decode_groups=_decode_groups(tables, seq_lens, batch.positions[:nd], block_size),
+        prefills=[PrefillSpan(s, n, ctx, t) for (s, n, ctx, _), t in zip(batch.prefills, prefill_tables,
+                                                                         strict=True)],
+    )
+    return ids, positions, rows, meta
+
+
+def _decode_groups(tables: torch.Tensor, seq_lens: torch.Tensor, positions: np.ndarray,
+                   block_size: int) -> list[DecodeGroup]:
+    """Split the (length-sorted) decode rows into groups and plan each group's gather once.
+
+    Each group's longest context comes from the host copy of the positions: no device read.
+    """
+    groups = []
+    for start in range(0, len(positions), DECODE_GROUP):
+        end = min(start + DECODE_GROUP, len(positions))
+        flat, valid = decode_plan(tables[start:end], seq_lens[start:end], block_size, int(positions[end - 1]) + 1)
+        groups.append(DecodeGroup(start, end, flat, valid))
+    return groups

@@ -1,0 +1,182 @@
+"""`kvfleet-agent bench spec`: speculative decoding against none, in one run: decode tokens/s and ITL p50/p99 per
+workload (edit code, free code, long generations), batch size and configuration, on the trained pair."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import random
+import statistics
+import tempfile
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from tqdm import tqdm
+
+from kvfleet_agent.llm import LLM
+from kvfleet_agent.models.stdlib_corpus import texts
+from kvfleet_agent.sampling_params import SamplingParams
+
+WORKLOADS = ("edit", "code", "long")
+MAX_TOKENS = {"edit": 64, "code": 64, "long": 384}
+
+
+@dataclass(frozen=True)
+class Cell:
+    """One workload x batch x configuration, over the rounds: medians of decode tokens/s and ITL percentiles."""
+
+    workload: str
+    batch: int
+    config: str
+    decode_tps: float
+    itl_p50_ms: float
+    itl_p99_ms: float
+    mean_accepted_length: float | None
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The bench's flags."""
+    p.add_argument("--model", help="target checkpoint (default: the train-tiny target, trained once and cached)")
+    p.add_argument("--draft", help="draft checkpoint sharing the target's vocabulary (default: the train-tiny draft)")
+    p.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=WORKLOADS)
+    p.add_argument("--batch", nargs="+", type=int, default=[1, 4, 16, 64])
+    p.add_argument("--configs", nargs="+", default=["off", "ngram", "draft"],
+                   help="off, ngram, draft (adaptive, the default) and ngram-fixed, draft-fixed (adaptive off)")
+    p.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--num-threads", type=int, default=None)
+    p.add_argument("--json", help="write every cell here")
+
+
+def prompts(workload: str, n: int, seed: int) -> list[str]:
+    """n prompts cut from the held-out standard-library sources: `edit` shows a snippet and starts it again (the
+    answer repeats the prompt: prompt lookup's case), `code` starts a snippet, `long` too, for long outputs."""
+    _, held = texts(400_000)
+    rng = random.Random(seed)
+    blocks = [b for t in held for b in t.split("\n\n") if 4 <= b.count("\n") <= 12 and len(b) < 600]
+    out = []
+    for _ in range(n):
+        lines = rng.choice(blocks).splitlines()
+        if workload == "edit":
+            snippet = "\n".join(lines[:6])
+            out.append(f"{snippet}\n\n{lines[0]}\n")
+        else:
+            out.append("\n".join(lines[:3]) + "\n")
+    return out
+
+
+def spec_config(name: str, draft: str, k: int) -> dict[str, Any] | None:
+    """The --speculative-config of a configuration name."""
+    if name == "off":
+        return None
+    method, _, fixed = name.partition("-")
+    base: dict[str, Any] = {"num_speculative_tokens": k, "adaptive": fixed != "fixed"}
+    if method == "ngram":
+        return {**base, "method": "ngram", "prompt_lookup_min": 2, "prompt_lookup_max": 4}
+    return {**base, "method": "draft_model", "model": draft}
+
+
+def measure(llm: LLM, batch: list[str], max_tokens: int) -> tuple[float, list[float], int, tuple[int, int]]:
+    """Run one batch to the end through engine steps. Returns decode tokens/s (tokens delivered once every request
+    has its first, over the time from then to the end), every token's ITL (a step's gap spread over the tokens it
+    delivered: 3 tokens in 30 ms count 10 ms each), the tokens generated (equal across configurations: greedy),
+    and the verifications and accepted drafts of the batch."""
+    engine = llm.engine
+    before = engine.stats().spec
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    ids = [f"b{i}-{time.monotonic_ns()}" for i in range(len(batch))]
+    for rid, prompt in zip(ids, batch, strict=True):
+        engine.add_request(rid, prompt, params)
+    last: dict[str, float] = {}
+    counts: dict[str, int] = {}
+    itl: list[float] = []
+    first_all: float | None = None
+    after, end = 0, 0.0
+    while engine.has_unfinished():
+        outs = engine.step()
+        now = time.perf_counter()
+        for out in outs:
+            n = len(out.outputs[0].token_ids) - counts.get(out.request_id, 0)
+            if n <= 0:
+                continue
+            if out.request_id in last:
+                itl += [(now - last[out.request_id]) / n] * n
+            if first_all is not None:
+                after += n
+            counts[out.request_id] = len(out.outputs[0].token_ids)
+            last[out.request_id] = now
+        if first_all is None and len(last) == len(ids):
+            first_all = now
+        end = now
+    spec = engine.stats().spec
+    verified = (spec.num_drafts - before.num_drafts, spec.num_accepted_tokens - before.num_accepted_tokens) \
+        if spec is not None and before is not None else (0, 0)
+    return after / max(end - (first_all or end), 1e-9), itl, sum(counts.values()), verified
+
+
+def run(a: argparse.Namespace) -> list[Cell]:
+    """Every cell, the configurations interleaved round by round (the machine drifts; each round compares like
+    with like); one engine per configuration, kept across workloads and batch sizes."""
+    model, draft = a.model, a.draft
+    if model is None or draft is None:
+        from kvfleet_agent.models.train_tiny import train_pair
+
+        where = tempfile.mkdtemp(prefix="kvfleet-pair-")
+        train_pair(where)
+        model, draft = model or f"{where}/target", draft or f"{where}/draft"
+    engines = {c: LLM(model=model, speculative_config=spec_config(c, draft, a.k), max_num_seqs=max(a.batch),
+                      max_model_len=1024, num_threads=a.num_threads) for c in a.configs}
+    samples: dict[tuple[str, int, str], list[tuple[float, list[float], int, int]]] = {}
+    tokens: dict[tuple[str, int], set[int]] = {}
+    cells = [(w, b) for w in a.workloads for b in a.batch]
+    bar = tqdm(total=a.rounds * len(cells) * len(engines), desc="bench spec", unit="cell")
+    for r in range(a.rounds):
+        for w, b in cells:
+            batch = prompts(w, b, a.seed + r)
+            for c, llm in engines.items():
+                tps, itl, n, (drafts, accepted) = measure(llm, batch, MAX_TOKENS[w])
+                samples.setdefault((w, b, c), []).append((tps, itl, drafts, accepted))
+                tokens.setdefault((w, b), set()).add(n)
+                bar.update()
+    bar.close()
+    # Greedy: every configuration must have generated the very same number of tokens in each cell.
+    assert all(len(n) == 1 for n in tokens.values()), tokens
+    out = []
+    for (w, b, c), runs in samples.items():
+        itl_all = sorted(x for run in runs for x in run[1])
+        drafts, accepted = sum(r[2] for r in runs), sum(r[3] for r in runs)
+        out.append(Cell(w, b, c, statistics.median(r[0] for r in runs), 1000 * _pct(itl_all, 0.5),
+                        1000 * _pct(itl_all, 0.99), 1 + accepted / drafts if drafts else None))
+    return out
+
+
+def _pct(xs: Sequence[float], q: float) -> float:
+    return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else float("nan")
+
+
+def table(cells: list[Cell]) -> str:
+    """The cells as a table, with each configuration's decode tokens/s as a ratio to `off` in the same cell."""
+    base = {(c.workload, c.batch): c.decode_tps for c in cells if c.config == "off"}
+    lines = [f"{'workload':8} {'batch':>5} {'config':12} {'decode tok/s':>12} {'vs off':>7} {'ITL p50 ms':>10} "
+             f"{'ITL p99 ms':>10} {'acc. len':>8}"]
+    for c in sorted(cells, key=lambda c: (WORKLOADS.index(c.workload), c.batch, c.config)):
+        ratio = c.decode_tps / base[c.workload, c.batch] if (c.workload, c.batch) in base else float("nan")
+        acc = f"{c.mean_accepted_length:.2f}" if c.mean_accepted_length else "-"
+        lines.append(f"{c.workload:8} {c.batch:5d} {c.config:12} {c.decode_tps:12.1f} {ratio:6.2f}x "
+                     f"{c.itl_p50_ms:10.2f} {c.itl_p99_ms:10.2f} {acc:>8}")
+    return "\n".join(lines)
+
+
+def main(a: argparse.Namespace) -> int:
+    """Run, print the table, write the JSON."""
+    cells = run(a)
+    print(f"{platform.processor() or platform.machine()}, rounds {a.rounds}, k {a.k}; decode tokens/s medians")
+    print(table(cells))
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump([asdict(c) for c in cells], f, indent=2)
+    return 0

@@ -1,0 +1,256 @@
+"""Draft model for speculative decoding: a small model on rank 0 that proposes each decode's next k tokens."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from kvfleet_agent.core.scheduler_output import ScheduledChunk
+from kvfleet_agent.core.speculator import speculates
+from kvfleet_agent.layers.attention import PagedAttention
+from kvfleet_agent.layers.tp_group import TPGroup
+from kvfleet_agent.models.config import ModelConfig
+from kvfleet_agent.models.llama import LlamaForCausalLM
+from kvfleet_agent.models.loader import load_weights
+from kvfleet_agent.sampling_params import SamplingParams
+from kvfleet_agent.spec_config import SpeculativeConfig
+from kvfleet_agent.worker.sampler import Sampler
+from kvfleet_agent.worker.spec_sampling import _probs
+from kvfleet_agent.worker.step_batch import StepBatch, StepInputs
+
+log = logging.getLogger(__name__)
+
+
+def draft_config(model_dir: str, target: ModelConfig, target_dir: str, max_model_len: int) -> ModelConfig:
+    """The draft checkpoint's config, after checking that it can serve this target."""
+    cfg = ModelConfig.from_dir(model_dir)
+    where = f"speculative_config.model={model_dir!r}"
+    if cfg.vocab_size != target.vocab_size:
+        raise ValueError(f"{where} has vocab_size {cfg.vocab_size} but the target {target_dir!r} has "
+                         f"{target.vocab_size}: a draft model must share the target's tokenizer and vocabulary; use a "
+                         "smaller model of the same family, or method 'ngram'")
+    limit = min(cfg.max_position_embeddings, cfg.sliding_window or cfg.max_position_embeddings)
+    if limit < max_model_len:
+        raise ValueError(f"{where} holds {limit} positions (config.json max_position_embeddings / sliding_window), "
+                         f"fewer than max_model_len={max_model_len}: lower max_model_len or use a draft with a longer "
+                         "context")
+    return cfg
+
+
+@dataclass(eq=False)
+class _Row:
+    """One request proposing this step: where its newest token sits and what it has drafted so far."""
+
+    request_id: str
+    params: SamplingParams
+    generator: torch.Generator
+    pos: int  # position of the request's newest token (not computed by either model yet)
+    count: int  # proposals to make
+    table: list[int]
+    tokens: list[int] = field(default_factory=list)
+    q: list[torch.Tensor] = field(default_factory=list)  # the draft distribution of each proposal (random only)
+
+
+class DraftModel:
+    """The draft: the target's model class on a smaller checkpoint, unsharded, with its own paged K/V.
+
+    Its K/V pool mirrors the target's block for block (same number of blocks, same block size) and is addressed by
+    the target's block tables and slot mapping: the draft runs over every step's batch after the target, so its K/V
+    holds the same tokens at every computed position (prefill chunks, recomputation after preemption, and prefix-cache
+    hits too, a cached block's draft K/V having been written when the block was first computed). Then it proposes
+    k tokens for each eligible request that sampled, autoregressively from the request's newest token, at the
+    positions the scheduler's lookahead blocks cover: k forwards a step, the first one also the step's batch.
+    Rank 0 alone holds it: it runs no collectives.
+    """
+
+    def __init__(self, spec: SpeculativeConfig, target: ModelConfig, target_dir: str, max_model_len: int,
+                 block_size: int, device: torch.device, dtype: torch.dtype,
+                 step_inputs: Callable[[StepBatch], StepInputs]) -> None:
+        assert spec.model is not None  # SpeculativeConfig.parse requires it for draft_model
+        self.cfg = draft_config(spec.model, target, target_dir, max_model_len)
+        self.k = spec.num_speculative_tokens
+        self.max_model_len = max_model_len
+        self.block_size = block_size
+        self.device, self.dtype = device, dtype
+        self.step_inputs = step_inputs
+        with torch.device(device):
+            self.model = LlamaForCausalLM(self.cfg, max_model_len, dtype, TPGroup()).to(dtype)
+        self.loaded_bytes = load_weights(self.model, spec.model)
+        self.model.eval()
+        for module in self.model.modules():  # CPU: oneDNN-prepacked GEMM weights, as the target's
+            pack_weights = getattr(module, "pack_weights", None)
+            if callable(pack_weights):
+                pack_weights()
+        self.attn_layers = [m for m in self.model.modules() if isinstance(m, PagedAttention)]
+        # Proposals of random requests and the distributions they were drawn from, for the next step's verification;
+        # replaced every step, as the speculator's proposals are.
+        self.proposed: dict[str, tuple[list[int], torch.Tensor]] = {}
+        self.num_output: dict[str, int] = {}  # output tokens per request so far: max_tokens bounds its proposals
+        params = sum(p.numel() for p in self.model.parameters())
+        log.info("draft model %s: %s, %.2fM parameters (%.1f MiB in %s), %d layers", spec.model, self.cfg.architecture,
+                 params / 1e6, self.param_bytes() / 2**20, dtype, self.cfg.num_layers)
+
+    def param_bytes(self) -> int:
+        """Bytes of the draft's parameters."""
+        return sum(p.numel() * p.element_size() for p in self.model.parameters())
+
+    def bytes_per_block(self) -> int:
+        """The draft's KV bytes for one block of the shared pool (keys and values, every layer)."""
+        a = self.attn_layers[0]
+        elem = torch.empty(0, dtype=self.dtype).element_size()
+        return 2 * len(self.attn_layers) * self.block_size * a.num_kv_heads * a.head_dim * elem
+
+    def allocate(self, num_blocks: int, stand_in: bool = False) -> None:
+        """Zero-filled K and V tensors of num_blocks blocks for every layer (one-block stand-ins for a profile pass)."""
+        for layer in self.attn_layers:
+            shape = (num_blocks, self.block_size, layer.num_kv_heads, layer.head_dim)
+            layer.k_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+            layer.v_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        if not stand_in:
+            log.info("draft model KV: %d blocks x %d B = %.1f MiB beside the target's", num_blocks,
+                     self.bytes_per_block(), num_blocks * self.bytes_per_block() / 2**20)
+
+    def forget(self, request_ids: Iterable[str]) -> None:
+        """Drop finished requests' state."""
+        for rid in request_ids:
+            self.proposed.pop(rid, None)
+            self.num_output.pop(rid, None)
+
+    def draft_probs(self, chunk: ScheduledChunk) -> torch.Tensor | None:
+        """The draft distributions [len(draft), V] behind a verification chunk's drafts (None for greedy requests,
+        whose verification reads none). The drafts are a prefix of the last proposal: the scheduler may send fewer."""
+        if chunk.sampling_params.greedy:
+            return None
+        tokens, q = self.proposed.get(chunk.request_id, ([], None))
+        n = len(chunk.draft)
+        if q is None or tokens[:n] != chunk.draft:
+            # Verifying sampled drafts as if deterministic would bias the output: never guess.
+            raise RuntimeError(f"draft model: no draft distribution for request {chunk.request_id!r}'s drafts "
+                               f"{chunk.draft} (last proposal {tokens})")
+        return q[:n]
+
+    @torch.inference_mode()
+    def profile(self, batch: StepBatch) -> None:
+        """The profiling pass's draft part: a forward over the largest batch, and its sample rows' distributions."""
+        ids, positions, rows, meta = self.step_inputs(batch)
+        hidden = self.model(ids, positions, meta)
+        logits = self.model.compute_logits(hidden.index_select(0, rows))
+        del hidden
+        _probs(logits.float(), [SamplingParams(temperature=1.0, top_k=50, top_p=0.9)] * logits.shape[0])
+
+    @torch.inference_mode()
+    def step(self, batch: StepBatch, samplers: Sequence[ScheduledChunk], emitted: Mapping[str, Sequence[int]],
+             sampler: Sampler) -> dict[str, list[int]]:
+        """Run the draft over the step's batch (its K/V), and propose for the eligible requests that sampled."""
+        rows: list[_Row] = []
+        for c in samplers:
+            out = emitted.get(c.request_id)
+            if not out:
+                continue
+            count = self.num_output[c.request_id] = self.num_output.get(c.request_id, 0) + len(out)
+            pos = c.start_pos + len(c.token_ids) - len(c.draft) + len(out) - 1
+            # The speculator's room (max_tokens, max_model_len) and the blocks the scheduler's lookahead got.
+            n = min(self.k, c.sampling_params.max_tokens - count - 1, self.max_model_len - pos - 2,
+                    len(c.block_table) * self.block_size - pos)
+            if n > 0 and speculates(c.sampling_params):
+                rows.append(_Row(c.request_id, c.sampling_params, sampler.generator(c.request_id, c.sampling_params),
+                                 pos, n, c.block_table, [out[-1]]))
+        rows.sort(key=lambda r: r.pos)  # decode attention groups rows of similar length
+        ids, positions, sample_rows, meta = self.step_inputs(self._merged(batch, samplers, emitted, rows))
+        hidden = self.model(ids, positions, meta)
+        self.proposed = {}
+        if not rows:
+            return {}
+        self._propose(rows, self._pick(self.model.compute_logits(hidden.index_select(0, sample_rows)), rows))
+        for r in rows:
+            if r.q:
+                self.proposed[r.request_id] = (r.tokens[1:], torch.stack(r.q))
+        return {r.request_id: r.tokens[1:] for r in rows}
+
+    def _merged(self, batch: StepBatch, samplers: Sequence[ScheduledChunk], emitted: Mapping[str, Sequence[int]],
+                rows: list[_Row]) -> StepBatch:
+        """The step's batch plus each proposing row's newest token at its position, as a decode row (sampling).
+
+        One forward then writes the draft's K/V for the step and yields every first proposal: a layer writes all the
+        rows' K/V before any row attends, so a decode row sees the positions before it that the same forward wrote.
+        A verification's rejected drafts write nothing: the newest token takes the first of their slots.
+        """
+        slots = batch.slot_mapping.copy()
+        cursor = 0
+        for c in samplers:  # a verification's sample rows are all its rows, [last, *draft]
+            if c.draft:
+                slots[batch.sample_rows[cursor + len(emitted.get(c.request_id, ())):cursor + 1 + len(c.draft)]] = -1
+            cursor += 1 + len(c.draft)
+        nd, r = batch.decode_tables.shape[0], len(rows)
+        width = max([batch.decode_tables.shape[1], *(len(row.table) for row in rows)])
+        tables = np.zeros((nd + r, width), dtype=np.int64)
+        tables[:nd, :batch.decode_tables.shape[1]] = batch.decode_tables
+        for i, row in enumerate(rows):
+            tables[nd + i, :len(row.table)] = row.table
+        new_pos = np.asarray([row.pos for row in rows], dtype=np.int64)
+        new_slots = tables[nd + np.arange(r), new_pos // self.block_size] * self.block_size + new_pos % self.block_size
+        pos = np.concatenate([batch.positions[:nd], new_pos])
+        order = np.argsort(pos, kind="stable")
+        where = np.empty_like(order)
+        where[order] = np.arange(nd + r)
+        ids = np.concatenate([batch.input_ids[:nd], np.asarray([row.tokens[0] for row in rows], dtype=np.int64)])
+        return StepBatch(np.concatenate([ids[order], batch.input_ids[nd:]]),
+                         np.concatenate([pos[order], batch.positions[nd:]]),
+                         np.concatenate([np.concatenate([slots[:nd], new_slots])[order], slots[nd:]]), tables[order],
+                         [(start + r, n, ctx, t) for start, n, ctx, t in batch.prefills], where[nd:])
+
+    def _propose(self, rows: list[_Row], first: torch.Tensor) -> None:
+        """The proposals after the first: step j runs each row's proposal j at pos + j, batched as decodes.
+
+        The tokens stay on the device from step to step; one host transfer at the end reads them all.
+        """
+        width = max(len(r.table) for r in rows)
+        tables = np.zeros((len(rows), width), dtype=np.int64)
+        for i, r in enumerate(rows):
+            tables[i, :len(r.table)] = r.table
+        base = np.asarray([r.pos for r in rows], dtype=np.int64)
+        counts = np.asarray([r.count for r in rows])
+        tokens, active = first, np.arange(len(rows))
+        picked: list[tuple[np.ndarray, torch.Tensor]] = [(active, tokens)]
+        for j in range(1, int(counts.max())):
+            keep = counts[active] > j
+            if not keep.all():
+                tokens = tokens[torch.from_numpy(np.flatnonzero(keep)).to(self.device)]
+                active = active[keep]
+            pos = base[active] + j
+            rt = tables[active]
+            slots = rt[np.arange(len(active)), pos // self.block_size] * self.block_size + pos % self.block_size
+            step = StepBatch(np.zeros(len(active), dtype=np.int64), pos, slots, rt, [],
+                             np.arange(len(active), dtype=np.int64))
+            _, positions, _, meta = self.step_inputs(step)
+            logits = self.model.compute_logits(self.model(tokens, positions, meta))
+            tokens = self._pick(logits, [rows[i] for i in active])
+            picked.append((active, tokens))
+        flat: list[int] = torch.cat([t for _, t in picked]).tolist()
+        start = 0
+        for idx, _ in picked:
+            for i, t in zip(idx.tolist(), flat[start:start + len(idx)], strict=True):
+                rows[i].tokens.append(t)
+            start += len(idx)
+
+    def _pick(self, logits: torch.Tensor, rows: list[_Row]) -> torch.Tensor:
+        """Each row's proposal: the argmax for greedy requests; for random ones a draw from the draft's distribution
+        under the request's own sampling params (what verification compares with the target's), by its generator."""
+        tokens = logits.argmax(dim=-1)
+        rand = [i for i, r in enumerate(rows) if not r.params.greedy]
+        if rand:
+            idx = torch.tensor(rand, device=logits.device)
+            q = _probs(logits[idx].float(), [rows[i].params for i in rand])
+            # The Sampler's exponential race, one noise row per request from its own generator.
+            noise = torch.empty_like(q)
+            for b, i in enumerate(rand):
+                noise[b].exponential_(generator=rows[i].generator)
+            tokens[idx] = (q / noise).argmax(dim=-1)
+            for b, i in enumerate(rand):
+                rows[i].q.append(q[b])
+        return tokens
+
