@@ -8,7 +8,9 @@ from dataclasses import dataclass, field
 
 from kvfleet_agent.core.ngram import NgramIndex
 from kvfleet_agent.core.request import Request
+from kvfleet_agent.core.scheduler_output import SchedulerOutput
 from kvfleet_agent.core.spec_policy import SpecPolicy
+from kvfleet_agent.core.spec_switch import SpecSwitch
 from kvfleet_agent.sampling_params import SamplingParams
 from kvfleet_agent.spec_config import SpeculativeConfig
 
@@ -57,6 +59,8 @@ class Speculator:
         self.indexes: dict[str, NgramIndex] = {}
         self.external: dict[str, list[int]] = {}  # a draft model's proposals for each request's next step
         self.shadow: dict[str, int] = {}  # first guesses not sent this step, checked against the sampled token
+        self.switch = SpecSwitch()
+        self.choice: tuple[int, bool] | None = None  # this step's (decode requests, whether it speculates)
 
     def propose(self, decodes: Sequence[Request], num_other_tokens: int, budget: int) -> dict[str, list[int]]:
         """Drafts for this step's decode requests (only those that get any), within `budget` extra tokens."""
@@ -69,8 +73,11 @@ class Speculator:
             guess = self._guess(req, room) if room > 0 else []
             if guess:
                 proposals[req.request_id] = guess
+        self.choice = None
+        if proposals and self.config.adaptive:
+            self.choice = (len(decodes), self.switch.choose(len(decodes)))
         plan = self.policy.plan([(rid, len(d)) for rid, d in proposals.items()], num_other_tokens,
-                                num_decodes=len(decodes))
+                                num_decodes=len(decodes)) if self.choice is None or self.choice[1] else {}
         drafts: dict[str, list[int]] = {}
         for rid, guess in proposals.items():
             n = min(plan.get(rid, 0), budget)
@@ -101,6 +108,12 @@ class Speculator:
         guess = self.shadow.pop(rid, None)
         if guess is not None and req.num_new_tokens:
             self.policy.observe_shadow(rid, req.token_ids[req.num_tokens - req.num_new_tokens] == guess)
+
+    def observe_step(self, out: SchedulerOutput, tokens: int, seconds: float) -> None:
+        """A step ended: it delivered `tokens` tokens in `seconds`. A pure-decode step (every chunk a decode or a
+        verification) that made a speculation choice teaches the switch its throughput."""
+        if self.choice is not None and all(c.sample and len(c.token_ids) == 1 + len(c.draft) for c in out.chunks):
+            self.switch.observe(self.choice[0], self.choice[1], tokens, seconds)
 
     def set_proposals(self, proposals: Mapping[str, list[int]]) -> None:
         """A draft model's proposals for the next step (replacing the previous ones)."""

@@ -226,6 +226,7 @@ class LLMEngine:
         """Schedule, execute and update one step; returns the cumulative outputs of the requests that got a token
         (finished ones too), or with finished_only of the finished ones alone: a cumulative output copies every
         token so far, so building one per token for callers that only want the end costs O(length²)."""
+        step_start = time.perf_counter()
         plan = self.scheduler.schedule()
         now = time.monotonic()
         for chunk in plan.chunks:
@@ -247,7 +248,10 @@ class LLMEngine:
         if self.spec_log.due(now) and (snap := self._spec_snapshot()) is not None:
             self.spec_log.maybe_log(snap, now)
         self.counters.last_step_time = time.time()
-        self.counters.generation_tokens += sum(r.num_new_tokens for r in advanced)
+        delivered = sum(r.num_new_tokens for r in advanced)
+        self.counters.generation_tokens += delivered
+        if self.speculator is not None:
+            self.speculator.observe_step(plan, delivered, time.perf_counter() - step_start)
         out = []
         for req in advanced:
             t = self._tracked[req.request_id]

@@ -1,0 +1,69 @@
+"""SpecSwitch: whether speculating pays at a batch size, from measured decode throughput with and without it.
+
+The step-time model (spec_policy.py) prices a draft token at the marginal cost of a token, but turning a decode into
+a verification costs more than its tokens on some hardware (a verification runs as a short prefill: its own
+attention call and bookkeeping), so at large batch the model can keep speculating where it loses. The switch needs
+no model: per batch-size bucket (powers of two) it keeps the exponentially weighted tokens/s of pure-decode steps
+that speculated and of those that did not, takes the better mode, and tries the other one step in EXPLORE_EVERY so
+that a change (acceptance, batch mix) is seen. Exploring costs at most 1/EXPLORE_EVERY of the loss between the two.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+EXPLORE_EVERY = 32
+MIN_SAMPLES = 4  # steps of each mode in a bucket before the comparison is trusted
+DECAY = 0.9  # per observation: recent steps count most
+
+
+@dataclass
+class _Rate:
+    """An exponentially weighted tokens/s and how many steps it has seen."""
+
+    tokens: float = 0.0
+    seconds: float = 0.0
+    n: int = 0
+
+    def add(self, tokens: int, seconds: float) -> None:
+        self.tokens = DECAY * self.tokens + tokens
+        self.seconds = DECAY * self.seconds + seconds
+        self.n += 1
+
+    @property
+    def rate(self) -> float:
+        return self.tokens / self.seconds if self.seconds > 0 else 0.0
+
+
+def bucket(batch: int) -> int:
+    """The bucket of a batch size: its power of two (1, 2, 4, ...)."""
+    return 1 << max(0, batch.bit_length() - 1)
+
+
+class SpecSwitch:
+    """Speculate or not, per batch-size bucket, from measured throughput."""
+
+    def __init__(self) -> None:
+        self.rates: dict[tuple[int, bool], _Rate] = {}
+        self.decisions: dict[int, int] = {}
+
+    def choose(self, batch: int) -> bool:
+        """Whether this step should speculate (a step of `batch` decode requests)."""
+        b = bucket(batch)
+        on, off = self.rates.get((b, True), _Rate()), self.rates.get((b, False), _Rate())
+        count = self.decisions[b] = self.decisions.get(b, 0) + 1
+        if on.n < MIN_SAMPLES:
+            return True  # learn what speculating does here first: it is what the operator asked for
+        if off.n < MIN_SAMPLES:
+            return False
+        best = on.rate >= off.rate
+        return not best if count % EXPLORE_EVERY == 0 else best
+
+    def observe(self, batch: int, speculated: bool, tokens: int, seconds: float) -> None:
+        """A pure-decode step of `batch` requests delivered `tokens` tokens in `seconds`."""
+        if tokens > 0 and seconds > 0:
+            self.rates.setdefault((bucket(batch), speculated), _Rate()).add(tokens, seconds)
+
+    def summary(self) -> dict[str, float]:
+        """Each bucket's measured tokens/s with and without speculation, for logs."""
+        return {f"b{b}_{'on' if s else 'off'}": r.rate for (b, s), r in sorted(self.rates.items())}
