@@ -63,7 +63,9 @@ def prompts(workload: str, n: int, seed: int) -> list[str]:
         lines = rng.choice(blocks).splitlines()
         if workload == "edit":
             snippet = "\n".join(lines[:6])
-            out.append(f"{snippet}\n\n{lines[0]}\n")
+            # No newline after the repeated line: the tokenizer merges a newline with the next line's indent, so
+            # the copy continues from where the snippet's own tokens did.
+            out.append(f"{snippet}\n\n{lines[0]}")
         else:
             out.append("\n".join(lines[:3]) + "\n")
     return out

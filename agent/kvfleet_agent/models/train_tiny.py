@@ -24,7 +24,7 @@ from tqdm import tqdm
 from kvfleet_agent.models.stdlib_corpus import BOS_ID, EOS_ID, texts, train_tokenizer
 
 log = logging.getLogger(__name__)
-RECIPE_VERSION = 1  # bump when the recipe changes what it writes
+RECIPE_VERSION = 2  # bump when the recipe changes what it writes (2: copy_share)
 CACHE = Path.home() / ".cache" / "kvfleet" / "trained"
 
 
@@ -52,6 +52,9 @@ class Recipe:
     steps: int = 600
     lr: float = 1.5e-3
     seed: int = 0
+    # Share of training windows whose second half repeats their first: code models copy (an edited function, a
+    # repeated call), and a pair that never saw a repeat would not, which is what prompt lookup bets on.
+    copy_share: float = 0.25
 
     def key(self) -> str:
         """The cache key: the recipe and the versions of everything that computes it."""
@@ -70,6 +73,19 @@ def _windows(ids: list[int], seq_len: int) -> torch.Tensor:
     """The token stream cut into [N, seq_len + 1] windows (inputs and their next tokens)."""
     n = (len(ids) - 1) // seq_len
     return torch.tensor(ids[: n * seq_len + 1]).unfold(0, seq_len + 1, seq_len)
+
+
+def _with_copies(w: torch.Tensor, share: float, gen: torch.Generator) -> torch.Tensor:
+    """The batch with a `share` of its windows made of a span and then that span again (from a random point in the
+    first half, so copies start anywhere)."""
+    if share <= 0.0:
+        return w
+    w = w.clone()
+    n = w.shape[1]
+    for row in torch.nonzero(torch.rand(len(w), generator=gen) < share).flatten().tolist():
+        start = int(torch.randint(n // 4, n // 2 + 1, (1,), generator=gen))
+        w[row, start:] = w[row, :n - start].clone()  # the two spans overlap
+    return w
 
 
 def _model(shape: ModelShape, recipe: Recipe) -> Any:
@@ -107,7 +123,8 @@ def _train(model: Any, train: torch.Tensor, recipe: Recipe, name: str) -> None:
     model.train()
     bar = tqdm(range(recipe.steps), desc=f"train {name}", unit="step", dynamic_ncols=True)
     for _ in bar:
-        w = train[torch.randint(len(train), (recipe.batch_size,), generator=gen)]
+        w = _with_copies(train[torch.randint(len(train), (recipe.batch_size,), generator=gen)], recipe.copy_share,
+                         gen)
         loss = model(input_ids=w, labels=w).loss  # transformers shifts the labels by one itself
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
