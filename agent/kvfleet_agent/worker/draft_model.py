@@ -18,8 +18,7 @@ from kvfleet_agent.models.llama import LlamaForCausalLM
 from kvfleet_agent.models.loader import load_weights
 from kvfleet_agent.sampling_params import SamplingParams
 from kvfleet_agent.spec_config import SpeculativeConfig
-from kvfleet_agent.worker.sampler import Sampler
-from kvfleet_agent.worker.spec_sampling import _probs
+from kvfleet_agent.worker.sampler import Sampler, sampling_probs
 from kvfleet_agent.worker.step_batch import StepBatch, StepInputs
 
 log = logging.getLogger(__name__)
@@ -140,7 +139,7 @@ class DraftModel:
         hidden = self.model(ids, positions, meta)
         logits = self.model.compute_logits(hidden.index_select(0, rows))
         del hidden
-        _probs(logits.float(), [SamplingParams(temperature=1.0, top_k=50, top_p=0.9)] * logits.shape[0])
+        sampling_probs(logits.float(), [SamplingParams(temperature=1.0, top_k=50, top_p=0.9)] * logits.shape[0])
 
     @torch.inference_mode()
     def step(self, batch: StepBatch, samplers: Sequence[ScheduledChunk], emitted: Mapping[str, Sequence[int]],
@@ -244,7 +243,7 @@ class DraftModel:
         rand = [i for i, r in enumerate(rows) if not r.params.greedy]
         if rand:
             idx = torch.tensor(rand, device=logits.device)
-            q = _probs(logits[idx].float(), [rows[i].params for i in rand])
+            q = sampling_probs(logits[idx].float(), [rows[i].params for i in rand])
             # The Sampler's exponential race, one noise row per request from its own generator.
             noise = torch.empty_like(q)
             for b, i in enumerate(rand):

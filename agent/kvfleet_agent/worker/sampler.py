@@ -69,16 +69,7 @@ class Sampler:
 
     def _sample_random(self, logits: torch.Tensor, request_ids: Sequence[str],
                        params: Sequence[SamplingParams]) -> torch.Tensor:
-        temps = torch.tensor([p.temperature for p in params], device=logits.device)
-        logits = logits / temps[:, None]
-        top_k = [p.top_k for p in params]
-        top_p = [p.top_p for p in params]
-        min_p = [p.min_p for p in params]
-        if any(m > 0.0 for m in min_p):
-            logits = _min_p(logits, min_p)
-        if any(k > 0 for k in top_k) or any(p < 1.0 for p in top_p):
-            logits = _cut(logits, top_k, top_p)
-        probs = torch.softmax(logits, dim=-1)
+        probs = sampling_probs(logits, params)
         # Exponential race (argmax of p / E, E ~ Exp(1)) draws from probs; one noise row per request
         # so a seeded request's draws do not depend on what else shares the batch.
         noise = torch.empty_like(probs)
@@ -126,6 +117,21 @@ def prompt_logprobs(logits: torch.Tensor, spans: Sequence[tuple[str, int, list[i
                             for i, (t, v, r) in enumerate(zip(targets, picked, ranks, strict=True))])
         row += len(targets)
     return out
+
+
+def sampling_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+    """The distribution each (float) row is sampled from: softmax after temperature, min_p, top-k and top-p. The
+    sampler draws from it, and speculative verification (spec_sampling.py) checks drafts against it."""
+    temps = torch.tensor([p.temperature for p in params], device=logits.device)
+    logits = logits / temps[:, None]
+    top_k = [p.top_k for p in params]
+    top_p = [p.top_p for p in params]
+    min_p = [p.min_p for p in params]
+    if any(m > 0.0 for m in min_p):
+        logits = _min_p(logits, min_p)
+    if any(k > 0 for k in top_k) or any(p < 1.0 for p in top_p):
+        logits = _cut(logits, top_k, top_p)
+    return torch.softmax(logits, dim=-1)
 
 
 def _min_p(logits: torch.Tensor, min_p: list[float]) -> torch.Tensor:

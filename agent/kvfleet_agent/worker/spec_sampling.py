@@ -7,7 +7,7 @@ from collections.abc import Sequence
 import torch
 
 from kvfleet_agent.sampling_params import SamplingParams
-from kvfleet_agent.worker.sampler import _cut, _min_p
+from kvfleet_agent.worker.sampler import sampling_probs
 
 # Leviathan et al. 2023 / Chen et al. 2023. At each draft position i the target distribution p_i (what the plain
 # Sampler would draw from) and the draft distribution q_i are compared: draft token d is kept with probability
@@ -24,7 +24,7 @@ def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     if params.greedy:
         best = logits.argmax(dim=-1)
         return torch.zeros(logits.shape, dtype=torch.float32, device=logits.device).scatter_(-1, best[:, None], 1.0)
-    return _probs(logits.float(), [params] * logits.shape[0])
+    return sampling_probs(logits.float(), [params] * logits.shape[0])
 
 
 def verify(logits: torch.Tensor, draft: Sequence[int], params: SamplingParams, generator: torch.Generator,
@@ -97,20 +97,6 @@ def _greedy_chain(best: list[int], draft: Sequence[int]) -> list[int]:
     return best[:n + 1]
 
 
-def _probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
-    """Softmax of each float row after temperature, min_p, top-k and top-p, step for step as Sampler._sample_random."""
-    temps = torch.tensor([p.temperature for p in params], device=logits.device)
-    logits = logits / temps[:, None]
-    top_k = [p.top_k for p in params]
-    top_p = [p.top_p for p in params]
-    min_p = [p.min_p for p in params]
-    if any(m > 0.0 for m in min_p):
-        logits = _min_p(logits, min_p)
-    if any(k > 0 for k in top_k) or any(p < 1.0 for p in top_p):
-        logits = _cut(logits, top_k, top_p)
-    return torch.softmax(logits, dim=-1)
-
-
 def _verify_random(logits: torch.Tensor, starts: list[int], rand: list[int], drafts: Sequence[Sequence[int]],
                    params: Sequence[SamplingParams], generators: Sequence[torch.Generator],
                    draft_probs: Sequence[torch.Tensor | None]) -> list[list[int]]:
@@ -138,7 +124,7 @@ def _verify_random(logits: torch.Tensor, starts: list[int], rand: list[int], dra
             q_parts.append(dp.to(device=device, dtype=torch.float32))
             n_q += k
     rows = logits if len(row_ids) == logits.shape[0] else logits[torch.tensor(row_ids, device=device)]
-    p = _probs(rows.float(), row_params)
+    p = sampling_probs(rows.float(), row_params)
     n_rows, n_req = len(row_ids), len(rand)
     # Draw every number up front, request by request (uniforms, then the final token's noise), so the draws do not
     # depend on the outcome and a generator shared by several requests is consumed as by verify() in turn.
