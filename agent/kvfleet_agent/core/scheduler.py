@@ -57,6 +57,8 @@ class Scheduler:
 
         scheduled: set[str] = set()
         drafts = self._drafts(budget)
+        # Decodes not yet passed this step (each may need a block of its own): what a draft must leave free.
+        decodes_left = sum(1 for r in self.running if r.num_tokens - r.num_computed_tokens == 1) if drafts else 0
         for decodes_pass in (True, False):
             i = 0
             while i < len(self.running) and budget > 0:
@@ -66,12 +68,14 @@ class Scheduler:
                 if (remaining == 1) != decodes_pass or req.request_id in scheduled:
                     continue
                 n = min(remaining, budget)
+                if decodes_pass:
+                    decodes_left -= 1
                 draft = drafts.get(req.request_id, [])[:budget - 1]
                 if not decodes_pass:
                     # Prefills hold blocks for all their known tokens since admission, so they never
                     # grow here, and so never preempt a request this step has already scheduled.
                     assert len(self.kv.block_table(req.request_id)) >= self.kv.blocks_for(req.num_tokens)
-                elif draft and self._draft_fits(req, len(draft), self.running[i:]) and \
+                elif draft and self._draft_fits(req, len(draft), decodes_left) and \
                         self.kv.grow(req.request_id, req.num_computed_tokens + 1 + len(draft)):
                     n += len(draft)
                 elif not self._grow_or_preempt(req, req.num_computed_tokens + n, preempted):
@@ -97,11 +101,10 @@ class Scheduler:
         prefilling = sum(r.num_tokens - r.num_computed_tokens for r in self.running) - len(decodes)
         return self.speculator.propose(decodes, min(prefilling, budget), max(0, budget - len(decodes)))
 
-    def _draft_fits(self, req: Request, num_draft: int, later: list[Request]) -> bool:
-        """Whether a request's drafts may take blocks: only free ones beyond one for each decode still to grow this
-        step (what its own token may need), so speculation never makes anyone preempted."""
+    def _draft_fits(self, req: Request, num_draft: int, spare: int) -> bool:
+        """Whether a request's drafts may take blocks: only free ones beyond `spare`, one for each decode still to
+        grow this step (what its own token may need), so speculation never makes anyone preempted."""
         need = self.kv.blocks_for(req.num_computed_tokens + 1 + num_draft) - len(self.kv.block_table(req.request_id))
-        spare = sum(1 for r in later if r.num_tokens - r.num_computed_tokens == 1)
         return need <= self.kv.pool.num_free - spare
 
     def _lookahead(self, chunks: list[ScheduledChunk]) -> None:

@@ -109,11 +109,13 @@ class Speculator:
         if guess is not None and req.num_new_tokens:
             self.policy.observe_shadow(rid, req.token_ids[req.num_tokens - req.num_new_tokens] == guess)
 
-    def observe_step(self, out: SchedulerOutput, tokens: int, seconds: float) -> None:
-        """A step ended: it delivered `tokens` tokens in `seconds`. A pure-decode step (every chunk a decode or a
+    def observe_step(self, out: SchedulerOutput, tokens: int, execute_s: float, step_s: float) -> None:
+        """A step ended: its model pass took execute_s (the policy's step-time model, over the tokens computed), and
+        the whole step step_s to deliver `tokens` tokens. A pure-decode step (every chunk a decode or a
         verification) that made a speculation choice teaches the switch its throughput."""
+        self.policy.observe_step(out.num_batched_tokens, execute_s)
         if self.choice is not None and all(c.sample and len(c.token_ids) == 1 + len(c.draft) for c in out.chunks):
-            self.switch.observe(self.choice[0], self.choice[1], tokens, seconds)
+            self.switch.observe(self.choice[0], self.choice[1], tokens, step_s)
 
     def set_proposals(self, proposals: Mapping[str, list[int]]) -> None:
         """A draft model's proposals for the next step (replacing the previous ones)."""

@@ -235,8 +235,8 @@ class LLMEngine:
                 req.first_scheduled_time = now
         started = time.perf_counter()
         tokens, logprobs, prompt_logprobs, proposals = self.executor.execute(plan)
-        if self.speculator is not None:  # the step-time model the adaptive policy decides on
-            self.speculator.policy.observe_step(plan.num_batched_tokens, time.perf_counter() - started)
+        execute_s = time.perf_counter() - started
+        if self.speculator is not None:
             # A draft model's guesses for the next step; before update, whose retiring forgets finished requests'.
             self.speculator.set_proposals(proposals)
         for rid, (first, lps) in prompt_logprobs.items():
@@ -251,7 +251,7 @@ class LLMEngine:
         delivered = sum(r.num_new_tokens for r in advanced)
         self.counters.generation_tokens += delivered
         if self.speculator is not None:
-            self.speculator.observe_step(plan, delivered, time.perf_counter() - step_start)
+            self.speculator.observe_step(plan, delivered, execute_s, time.perf_counter() - step_start)
         out = []
         for req in advanced:
             t = self._tracked[req.request_id]
