@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 from llm_helpers import ENGINE_OPTIONS
 from server_process import running_agent
+from spec_helpers import drafted, run, same
 
 from kvfleet_agent.core.request import Request
 from kvfleet_agent.core.speculator import Speculator
@@ -24,25 +25,6 @@ NGRAM: dict[str, Any] = {"method": "ngram", "num_speculative_tokens": 3, "prompt
                          "prompt_lookup_max": 3, "adaptive": False}
 REPETITIVE = ["a b c a b c a b c a b", "one two one two one two", "x = x + 1\nx = x + 1\nx = x + 1\n",
               "the cat the cat the cat the", "hello world"]
-
-
-def run(ckpt: str, prompts: list[str], params: SamplingParams | list[SamplingParams], spec: dict[str, Any] | None,
-        **options: Any) -> tuple[list[CompletionOutput], LLM]:
-    llm = LLM(model=ckpt, **{**ENGINE_OPTIONS, **options}, speculative_config=spec)
-    outs = [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
-    return outs, llm
-
-
-def same(a: list[CompletionOutput], b: list[CompletionOutput]) -> None:
-    for x, y in zip(a, b, strict=True):
-        assert (x.token_ids, x.text, x.finish_reason, x.stop_reason) == (y.token_ids, y.text, y.finish_reason,
-                                                                         y.stop_reason)
-
-
-def drafted(llm: LLM) -> tuple[int, int]:
-    spec = llm.engine.stats().spec
-    assert spec is not None
-    return spec.num_draft_tokens, spec.num_accepted_tokens
 
 
 @pytest.mark.parametrize("arch", ["llama", "llama3", "qwen2", "mistral"])

@@ -16,6 +16,7 @@ import pytest
 import torch
 from llm_helpers import ENGINE_OPTIONS
 from safetensors.torch import load_file, save_file
+from spec_helpers import drafted, run, same
 
 from kvfleet_agent.core.kv_cache import KVCacheManager
 from kvfleet_agent.core.request import Request
@@ -23,7 +24,6 @@ from kvfleet_agent.core.scheduler import Scheduler
 from kvfleet_agent.core.speculator import Speculator
 from kvfleet_agent.llm import LLM
 from kvfleet_agent.models.train_tiny import FAST, train_pair
-from kvfleet_agent.outputs import CompletionOutput
 from kvfleet_agent.sampling_params import SamplingParams
 from kvfleet_agent.spec_config import SpeculativeConfig
 from kvfleet_agent.worker import draft_model
@@ -34,31 +34,6 @@ PROMPTS = ["The quick brown fox", "hello world", "one two three four five", "a b
 def draft(path: str, k: int = 3) -> dict[str, Any]:
     """Forced speculation (adaptive off): every eligible decode step verifies k drafts, so every path runs."""
     return {"method": "draft_model", "model": path, "num_speculative_tokens": k, "adaptive": False}
-
-
-def run(ckpt: str, prompts: list[Any], params: SamplingParams | list[SamplingParams], spec: dict[str, Any] | None,
-        **options: Any) -> tuple[list[CompletionOutput], LLM]:
-    llm = LLM(model=ckpt, **{**ENGINE_OPTIONS, **options}, speculative_config=spec)
-    outs = [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
-    return outs, llm
-
-
-def same(a: list[CompletionOutput], b: list[CompletionOutput]) -> None:
-    """Token for token; logprobs to float rounding (another batch around a row changes its last bits)."""
-    for i, (x, y) in enumerate(zip(a, b, strict=True)):
-        assert (x.token_ids, x.text, x.finish_reason, x.stop_reason) == (y.token_ids, y.text, y.finish_reason,
-                                                                         y.stop_reason), f"request {i} diverged"
-        assert (x.logprobs is None) == (y.logprobs is None)
-        for p, q in zip(x.logprobs or [], y.logprobs or [], strict=True):
-            assert p.token_id == q.token_id and list(p.top) == list(q.top)
-            assert p.logprob == pytest.approx(q.logprob, abs=1e-4)
-
-
-def drafted(llm: LLM) -> tuple[int, int]:
-    """(draft tokens verified, draft tokens accepted) so far."""
-    spec = llm.engine.stats().spec
-    assert spec is not None
-    return spec.num_draft_tokens, spec.num_accepted_tokens
 
 
 @pytest.mark.parametrize("arch", ["llama", "llama3", "qwen2", "mistral"])
