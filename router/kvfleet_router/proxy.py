@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import time
@@ -135,6 +136,8 @@ class Router:
         if self.tiers is not None and model in self.tiers:
             if request.path in GENERATION:
                 route = await self.tiers.route(body, self._classify)
+                if self.monitor is not None and self.monitor.sample(route):
+                    route = dataclasses.replace(route, verify=True)
                 tier = route.model
             else:
                 tier = self.tiers.tiered[str(model)].tiers[-1].model
@@ -174,7 +177,8 @@ class Router:
             tried.add(replica.name)
             result = await self._attempt(request, raw, model, replica, choice.reason, start, route)
             if isinstance(result, web.StreamResponse):
-                if route is not None and self.monitor is not None and isinstance(result, Relayed) and result.kept:
+                if route is not None and route.verify and self.monitor is not None and isinstance(result, Relayed) \
+                        and result.kept:
                     self.monitor.offer(route, request.path, body, bytes(result.kept), result.content_type_seen)
                 return result
             retry_after = max(retry_after, result)
@@ -209,8 +213,8 @@ class Router:
 
     async def _relay(self, request: web.Request, upstream: aiohttp.ClientResponse, model: str, replica: Replica,
                      reason: str, timing: tuple[float, float], route: Route | None) -> web.StreamResponse:
-        """Relay the replica's answer as it comes; a stream cut by the replica ends with an error event. A tiered
-        request's answer is also kept (up to CAPTURE_MAX) for the quality monitor."""
+        """Relay the replica's answer as it comes; a stream cut by the replica ends with an error event. An
+        answer the quality monitor sampled is also kept (up to CAPTURE_MAX)."""
         before_send, answered = timing
         headers = {h: v for h, v in upstream.headers.items() if h in ("Content-Type", "Cache-Control", "Retry-After")}
         headers[ROUTE_HEADER] = f"replica={replica.name}; reason={reason}"
@@ -218,7 +222,7 @@ class Router:
             headers[TIER_HEADER] = route.header()
         resp = Relayed(status=upstream.status, headers=headers)
         resp.content_type_seen = upstream.headers.get("Content-Type", "")
-        keep = route is not None and upstream.status == 200
+        keep = route is not None and route.verify and upstream.status == 200
         await resp.prepare(request)
         first = True
         outcome = "ok" if upstream.status < 400 else f"http_{upstream.status}"

@@ -44,12 +44,18 @@ class QualityMonitor:
         self.started: dict[str, collections.deque[float]] = collections.defaultdict(collections.deque)
         self.tasks: set[asyncio.Task[None]] = set()
 
+    def sample(self, route: Route) -> bool:
+        """Whether to verify this request's answer: drawn before it is relayed, so that only a sampled answer is
+        kept (a class with nothing to verify, served by the top tier unpromoted, is never sampled)."""
+        promotion = self.tiers.promotion(route.tiered.name, route.cls)
+        return bool(promotion.verify_tiers()) and self.rng.random() < route.tiered.quality.sample_rate
+
     def offer(self, route: Route, path: str, body: dict[str, Any], answer: bytes | None, content_type: str) -> None:
-        """A tiered request was answered in full (`answer`: what the user got, None if it was not kept). Sample it
-        and, if sampled and within bounds, start its verification."""
+        """A sampled request was answered in full (`answer`: what the user got, None if it was not kept): start its
+        verification, within bounds."""
         tm, promotion = route.tiered, self.tiers.promotion(route.tiered.name, route.cls)
         wanted = promotion.verify_tiers()
-        if not wanted or route.tier != promotion.tier or self.rng.random() >= tm.quality.sample_rate:
+        if not wanted or route.tier != promotion.tier:  # the class moved while the request ran
             return
         text = answer_text(answer, content_type) if answer is not None else None
         if text is None:

@@ -32,6 +32,7 @@ class Route:
     tier: int  # the tier serving it now (base, or above while promoted)
     reason: str
     source: str  # features, model, or model-failed (the features decided)
+    verify: bool = False  # sampled by the quality monitor: the answer is kept to be replayed and scored
 
     @property
     def model(self) -> str:
