@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Callable
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
 
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, Counter, Gauge, Histogram, generate_latest
@@ -30,6 +32,12 @@ SCRAPE_ERRORS = Counter("kvfleet_operator_scrape_errors", "Failed scrapes of age
                         ["reason"], registry=REGISTRY)
 AUTOSCALE_TICKS = Counter("kvfleet_operator_autoscale_ticks", "Builtin autoscaler rounds by result",
                           ["result"], registry=REGISTRY)
+DEMAND = Gauge("kvfleet_operator_autoscale_demand_tokens_per_second",
+               "The builtin autoscaler's demand estimate: arrivals at the window's tokens per request (NaN: the "
+               "capacity model had no flow this round)", ["namespace", "name"], registry=REGISTRY)
+CAPACITY = Gauge("kvfleet_operator_autoscale_replica_capacity_tokens_per_second",
+                 "Tokens/s one replica serves within the targets, as the capacity model estimates it (NaN: none)",
+                 ["namespace", "name"], registry=REGISTRY)
 _desired_reason: dict[tuple[str, str], str] = {}  # the one series per object kept, so an old reason does not linger
 
 
@@ -43,12 +51,22 @@ def set_desired(namespace: str, name: str, reason: str, replicas: int) -> None:
     DESIRED_REPLICAS.labels(namespace=namespace, name=name, reason=reason).set(replicas)
 
 
+def set_capacity(namespace: str, name: str, proposals: Sequence[Any]) -> None:
+    """Set the demand and per-replica capacity gauges from a decision's "capacity" proposal (NaN without one)."""
+    p = next((p for p in proposals if p.source == "capacity"), None)
+    DEMAND.labels(namespace=namespace, name=name).set(math.nan if p is None else p.observed)
+    CAPACITY.labels(namespace=namespace, name=name).set(math.nan if p is None else p.target)
+
+
 def forget(namespace: str, name: str) -> None:
     """Drop an object's series (it was deleted)."""
     reason = _desired_reason.pop((namespace, name), None)
     if reason is not None:
         with contextlib.suppress(KeyError):
             DESIRED_REPLICAS.remove(namespace, name, reason)
+    for gauge in (DEMAND, CAPACITY):
+        with contextlib.suppress(KeyError):
+            gauge.remove(namespace, name)
 
 
 def scrape_error_reason(error: str) -> str:

@@ -3,16 +3,21 @@
 from __future__ import annotations
 
 import asyncio
+import math
 from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime
-from typing import Any
+from typing import Any, cast
 
+import pytest
 from aiohttp import web
 from fake_kube import FakeKube
-from prometheus_client import CollectorRegistry, Gauge, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from kvfleet_contract import metrics as contract
 from kvfleet_operator import metrics
 from kvfleet_operator.autoscaling import loop
+from kvfleet_operator.autoscaling.decide import AutoscalerState, AutoscalingPolicy, Decision, Observation, decide
+from kvfleet_operator.autoscaling.decision import Flow
 from kvfleet_operator.builders import selector_labels
 from kvfleet_operator.config import OperatorConfig
 from kvfleet_operator.reconcile import reconcile_object
@@ -27,14 +32,24 @@ AUTOSCALING: dict[str, Any] = {
 
 
 class Agent:
-    """The agent's metric contract (queue gauges, TTFT histogram) on a loopback port; `down` answers 503."""
+    """The agent's metric contract (queue gauges, TTFT histogram) on a loopback port; `down` answers 503. With
+    `tokens`, also what the capacity model reads: the request and token counters, KV usage, the queue-time
+    histogram (an agent without them is an older one: the queue rule decides)."""
 
-    def __init__(self) -> None:
+    def __init__(self, tokens: bool = False) -> None:
         self.registry = CollectorRegistry()
         self.waiting = Gauge("kvfleet_requests_waiting", "", ["model"], registry=self.registry).labels(model="m")
         self.running = Gauge("kvfleet_requests_running", "", ["model"], registry=self.registry).labels(model="m")
         self.ttft = Histogram("kvfleet_time_to_first_token_seconds", "", ["model"], registry=self.registry,
                               buckets=(0.005, 0.05, 0.1, 0.5, 1.0, 5.0)).labels(model="m")
+        if tokens:
+            r = self.registry
+            self.requests = Counter(contract.REQUESTS, "", ["model", "outcome"], registry=r).labels("m", "stop")
+            self.prompt = Counter(contract.PROMPT_TOKENS, "", ["model"], registry=r).labels("m")
+            self.output = Counter(contract.GENERATION_TOKENS, "", ["model"], registry=r).labels("m")
+            self.kv = Gauge(contract.KV_CACHE_USAGE, "", ["model"], registry=r).labels("m")
+            self.queue = Histogram(contract.QUEUE_TIME, "", ["model"], registry=r,
+                                   buckets=contract.QUEUE_BUCKETS).labels("m")
         self.down = False
         self.port = 0
         self._runner: web.AppRunner | None = None
@@ -44,6 +59,15 @@ class Agent:
         self.running.set(running)
         for _ in range(n):
             self.ttft.observe(ttft)
+
+    def serve(self, done: int, prompt: int, output: int, wait: float = 0.02, kv: float = 0.5) -> None:
+        """`done` more requests finished, with `prompt` + `output` tokens, each having waited `wait` seconds."""
+        self.requests.inc(done)
+        self.prompt.inc(prompt)
+        self.output.inc(output)
+        self.kv.set(kv)
+        for _ in range(done):
+            self.queue.observe(wait)
 
     async def start(self) -> None:
         async def metrics(_: web.Request) -> web.Response:
@@ -121,7 +145,7 @@ class Harness:
 
     @property
     def status(self) -> dict[str, Any]:
-        return self.kube.objects["InferenceDeployment", "ns", "m"]["status"]
+        return cast(dict[str, Any], self.kube.objects["InferenceDeployment", "ns", "m"]["status"])
 
     def condition(self, type_: str) -> tuple[str, str]:
         c = next(c for c in self.status["conditions"] if c["type"] == type_)
@@ -129,9 +153,9 @@ class Harness:
 
 
 def run(body: Callable[[Harness, list[Agent]], Awaitable[None]], agents: int = 3,
-        autoscaling: dict[str, Any] | None = None) -> None:
+        autoscaling: dict[str, Any] | None = None, tokens: bool = False) -> None:
     async def main() -> None:
-        h, started = Harness(autoscaling), [Agent() for _ in range(agents)]
+        h, started = Harness(autoscaling), [Agent(tokens) for _ in range(agents)]
         for a in started:
             await a.start()
         try:
@@ -217,28 +241,116 @@ def test_scale_up_cold_start_partial_metrics_and_scale_down_after_the_window() -
     run(body)
 
 
-def test_unschedulable_pods_block_scale_up() -> None:
+def test_unschedulable_pods_limit_scale_up_to_the_pending_budget() -> None:
     async def body(h: Harness, agents: list[Agent]) -> None:
         h.kube.objects["Deployment", "ns", "m"]["spec"]["replicas"] = 2
         h.add_pod(pod("m-a", agents[0].port, created=T0 - 300, ready_at=T0 - 200))
         h.add_pod(pod("m-b", 0, created=T0 - 100, unschedulable=True))  # Pending for 115 s by the first round
         agents[0].load(waiting=40, running=8)
         await h.tick()
-        assert h.replicas == 2 and h.status["autoscaling"]["lastDecision"]["limitedBy"] == "capacityBlocked"
+        # 48 on the one ready replica at a target of 4, the Pending one counted on its way: the queue asks
+        # ceil(1 × 12^(2/3)) = 6. A node autoscaler provisions for Pending pods: with 1 unschedulable, the
+        # default budget of 4 leaves room for 3 more, so 5 (the old rule froze at 2).
+        budget = AutoscalingPolicy().unschedulable_budget
+        assert h.replicas == 2 + budget - 1 == 5
+        assert h.status["autoscaling"]["lastDecision"]["limitedBy"] == "capacityBlocked"
         assert h.condition("CapacityBlocked") == ("True", "Unschedulable")
-        assert h.events == [("Warning", "Unschedulable", next(
-            c["message"] for c in h.status["conditions"] if c["type"] == "CapacityBlocked"))]
-        assert "Insufficient nvidia.com/gpu" in h.events[0][2]
+        message = next(c["message"] for c in h.status["conditions"] if c["type"] == "CapacityBlocked")
+        assert [e[:2] for e in h.events] == [("Normal", "ScaledUp"), ("Warning", "Unschedulable")]
+        assert h.events[1] == ("Warning", "Unschedulable", message)
+        assert "Insufficient nvidia.com/gpu" in h.events[1][2]
+        assert "1 unschedulable pod, at most 4 pending at once" in h.events[0][2]
         labels = {"namespace": "ns", "name": "m"}
         assert metrics.REGISTRY.get_sample_value("kvfleet_operator_desired_replicas",
-                                                 {**labels, "reason": "capacityBlocked"}) == 2
+                                                 {**labels, "reason": "capacityBlocked"}) == 5
         agents[0].load(waiting=0, running=0)
         await h.tick()
         assert metrics.REGISTRY.get_sample_value("kvfleet_operator_desired_replicas",
                                                  {**labels, "reason": "capacityBlocked"}) is None  # one series
-        assert h.condition("CapacityBlocked") == ("True", "Unschedulable") and len(h.events) == 1
+        assert h.condition("CapacityBlocked") == ("True", "Unschedulable") and len(h.events) == 2
 
     run(body, agents=1)
+
+
+def close(f: Flow | None, expected: Flow) -> bool:
+    """The same flow, but for float rounding."""
+    return f is not None and f.pods == expected.pods and (f.completed, f.arrived, f.prompt_tokens, f.output_tokens) == (
+        pytest.approx((expected.completed, expected.arrived, expected.prompt_tokens, expected.output_tokens)))
+
+
+def test_the_capacity_model_reads_the_agents_token_counters(monkeypatch: pytest.MonkeyPatch) -> None:
+    seen: list[Observation] = []
+    decisions: list[Decision] = []
+
+    def spy(policy: AutoscalingPolicy, obs: Observation, state: AutoscalerState) -> Decision:
+        seen.append(obs)
+        decisions.append(decide(policy, obs, state))
+        return decisions[-1]
+
+    def gauges() -> tuple[float | None, float | None]:
+        labels = {"namespace": "ns", "name": "m"}
+        return (metrics.REGISTRY.get_sample_value("kvfleet_operator_autoscale_demand_tokens_per_second", labels),
+                metrics.REGISTRY.get_sample_value("kvfleet_operator_autoscale_replica_capacity_tokens_per_second",
+                                                  labels))
+
+    async def body(h: Harness, agents: list[Agent]) -> None:
+        (a,) = agents
+        h.add_pod(pod("m-a", a.port, created=T0 - 300, ready_at=T0 - 200))
+        a.load(waiting=2, running=2)
+        a.kv.set(0.5)
+        await h.tick()
+        # The first scrape: counters read once, no flow yet, the queue rule decides (4 at target 4: keep).
+        first = seen[-1]
+        assert (first.flow, first.flow_last, first.queue_time_p95, first.kv_usage) == (None, None, None, 0.5)
+        assert [p["source"] for p in h.status["autoscaling"]["lastDecision"]["proposals"]] == ["queue"]
+        demand, per = gauges()
+        assert demand is not None and per is not None and math.isnan(demand) and math.isnan(per)
+
+        # 15 s later: 30 finished (2/s), 3000 prompt and 1500 output tokens (200 + 100 per second), still holding
+        # 4: 30 arrived. Each waited 0.02 s: all in the (0.01, 0.025] bucket, so p95 = 0.01 + 0.015 × 0.95.
+        a.serve(30, 3000, 1500, wait=0.02, kv=0.75)
+        a.load(waiting=2, running=2)
+        await h.tick()
+        o = seen[-1]
+        assert o.flow == Flow(2.0, 2.0, 200.0, 100.0, 1) and o.flow_last == o.flow
+        assert o.queue_time_p95 == pytest.approx(0.01 + 0.015 * 0.95)
+        assert o.kv_usage == 0.75
+        # Demand: 2 requests/s of 150 tokens, 300 tokens/s, against what one replica serves holding its queue
+        # target, which is where it runs (4 held): 300. One replica's worth: keep 1.
+        assert decisions[-1].proposals[0].source == "capacity"
+        assert gauges() == pytest.approx((300.0, 300.0))
+        assert h.replicas == 1 and h.status["autoscaling"]["lastDecision"]["reason"].startswith(
+            "demand 300 tokens/s against 300 tokens/s per replica at queue target 4 with 1 ready")
+
+        # The next 15 s: 60 finished (4/s) with 9000 tokens, holding 8: 64 arrived (4.27/s). The window (30 s):
+        # 90 finished (3/s), 94 arrived, 13500 tokens: 150 a request; demand takes the last interval's higher
+        # arrivals: 4.27 × 150 = 640 tokens/s, past what one replica serves: scale up on the model.
+        a.serve(60, 6000, 3000, wait=0.02)
+        a.load(waiting=4, running=4)
+        await h.tick()
+        o = seen[-1]
+        assert close(o.flow, Flow(3.0, 94 / 30, 300.0, 150.0, 1))
+        assert close(o.flow_last, Flow(4.0, 64 / 15, 400.0, 200.0, 1))
+        model = decisions[-1].proposals[0]
+        assert model.source == "capacity" and model.observed == pytest.approx(640.0)
+        assert gauges() == pytest.approx((640.0, model.target))
+        assert h.replicas == model.replicas > 1 and h.events[-1][1] == "ScaledUp"
+        assert "demand 640 tokens/s against" in h.events[-1][2]
+
+        # The agent stops answering: no flow, queue wait or KV usage from a silent pod (its window still holds
+        # the old TTFT percentile), the gauges go NaN, and nothing scales.
+        a.down = True
+        scaled = h.replicas
+        await h.tick()
+        o = seen[-1]
+        assert (o.reporting_replicas, o.flow, o.flow_last, o.queue_time_p95, o.kv_usage) == (0, None, None, None, None)
+        assert o.latency["ttft_p95"] is not None
+        assert h.replicas == scaled and h.status["autoscaling"]["lastDecision"]["limitedBy"] == "noMetrics"
+        demand, per = gauges()
+        assert demand is not None and per is not None and math.isnan(demand) and math.isnan(per)
+
+    monkeypatch.setattr(loop, "decide", spy)
+    run(body, agents=1, tokens=True)
 
 
 def test_a_round_changes_nothing_unless_builtin_and_ends_with_the_object() -> None:
@@ -275,7 +387,7 @@ def test_the_loop_waits_its_interval_and_skips_rounds_while_another_instance_lea
             if len(waits) == 2:
                 h.kube.objects["InferenceDeployment", "ns", "m"]["metadata"]["uid"] = "u2"  # then it is replaced
 
-        h.state.leadership.leading = is_leading
+        h.state.leadership.leading = is_leading  # type: ignore[method-assign]
         writes = len(h.kube.writes)
         await loop.run("ns", "m", "u1", h.state, sleep=sleep)
         # Round 1 skipped (not leading): the default interval; round 2 decided: the CR's 5 s; round 3: gone.

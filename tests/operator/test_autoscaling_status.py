@@ -11,6 +11,7 @@ import pytest
 from kvfleet_operator.autoscaling.decide import DEFAULT_SCALE_UP, AutoscalerState, Decision, Proposal, ScaleEvent
 from kvfleet_operator.autoscaling.fleet import Fleet, Pod
 from kvfleet_operator.autoscaling.status import autoscaling_status, conditions, decision_status, policy, rebuild_state
+from kvfleet_operator.builders import STARTUP_FAILURES, STARTUP_PERIOD_SECONDS
 from kvfleet_operator.models import AutoscalingSpec
 from kvfleet_operator.status import AutoscalingStatus, InferenceDeploymentStatus, human_seconds
 
@@ -38,6 +39,16 @@ def test_policy_takes_the_crds_defaults_and_every_knob() -> None:
     assert [(q.type, q.value, q.period_seconds) for q in p.behavior.scale_up.policies] == [
         ("Percent", 400, 15), ("Pods", 16, 15)]
     assert p.behavior.scale_up == DEFAULT_SCALE_UP
+    # Before any startup is learned, a starting pod counts as on its way for as long as the startup probe lets it
+    # try (the kubelet restarts it after that): the probe the builders put on the agent's container.
+    assert p.startup_budget_seconds == STARTUP_PERIOD_SECONDS * STARTUP_FAILURES
+
+
+def test_a_capacity_proposal_in_the_crds_shape() -> None:
+    d = dataclasses.replace(decision(), proposals=(Proposal("capacity", 3150.0, 500.0, 7),))
+    out = decision_status(d).model_dump(mode="json", by_alias=True, exclude_none=True)
+    assert out["proposals"] == [{"source": "capacity", "observed": 3150.0, "target": 500.0, "replicas": 7}]
+    InferenceDeploymentStatus.model_validate({"autoscaling": {"lastDecision": out}})
 
 
 def test_decision_in_the_crds_shape() -> None:
@@ -107,3 +118,13 @@ def test_the_learned_startup_carries_its_unit_and_sample_count() -> None:
     assert (out["expectedStartupSeconds"], out["expectedStartup"], out["startupSamples"]) == (84.0, "84.0s", 3)
     nothing = autoscaling_status(decision(expected=None), None, None).model_dump(by_alias=True, exclude_none=True)
     assert not {"expectedStartupSeconds", "expectedStartup", "startupSamples"} & set(nothing)  # none learned yet
+
+
+def test_capacity_blocked_does_not_claim_a_freeze_the_budget_lifts() -> None:
+    # One pod Pending-unschedulable and the decision scaled past it (within the budget): the condition must not
+    # tell the user that nothing scales up until it schedules.
+    fleet = Fleet((pod("a"),), (pod("c", "0/3 nodes are available"),), (pod("c", "0/3 nodes are available"),))
+    out = {c["type"]: c for c in conditions(decision(current=2, desired=5), fleet, {}, generation=1,
+                                            now="2026-01-01T00:00:00Z", previous=[])}
+    assert out["CapacityBlocked"]["status"] == "True"
+    assert "no scale-up until they schedule" not in out["CapacityBlocked"]["message"]

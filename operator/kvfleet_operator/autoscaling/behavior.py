@@ -58,8 +58,7 @@ class Behavior:
 
 
 def event_horizon(up: ScalingRules, down: ScalingRules) -> int:
-    """Seconds a scale event stays relevant: the longest rate-limit period, and the scale-down window (within which
-    decide() refuses to reverse a scale-down on noise)."""
+    """Seconds a scale event stays relevant: the longest rate-limit period, or the scale-down window."""
     period = max((p.period_seconds for p in up.policies + down.policies), default=0)
     return max(period, down.stabilization_window_seconds)
 

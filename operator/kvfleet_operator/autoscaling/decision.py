@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import math
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -42,9 +43,31 @@ class AutoscalingPolicy:
     queue_depth_per_replica: float | None = None
     latency_targets: tuple[LatencyTarget, ...] = ()
     behavior: Behavior = field(default_factory=Behavior)
-    startup_grace_seconds: float | None = None  # None: twice the expected (learned) startup time
+    # None: twice the expected (learned) startup time, or before any is learned the startup probe's budget (a pod
+    # the kubelet has not restarted by then may still come up; past it, it is surely stuck).
+    startup_grace_seconds: float | None = None
+    startup_budget_seconds: float = 3600.0
+    # Pods Pending-unschedulable at once that scale-up may still ask past (a node autoscaler provisions for them);
+    # beyond it, scale-up waits for them to schedule.
+    unschedulable_budget: int = 4
     # With min_replicas 0: idle this long (see zero.py) → 0 replicas. Ignored while min_replicas >= 1.
     scale_to_zero_after_seconds: float = SCALE_TO_ZERO_AFTER_S
+
+
+@dataclass(frozen=True)
+class Flow:
+    """Requests and tokens per second through the reporting pods (MetricsWindow.flow), summed across them."""
+
+    completed: float  # requests finished or refused per second
+    arrived: float  # requests arriving per second: completions plus the rise of waiting + running
+    prompt_tokens: float  # prompt tokens per second, of the requests served
+    output_tokens: float  # generated tokens per second
+    pods: int  # pods the figures cover
+
+    @property
+    def tokens_per_request(self) -> float | None:
+        """Prompt plus output tokens per completed request (None: none completed)."""
+        return (self.prompt_tokens + self.output_tokens) / self.completed if self.completed > 0 else None
 
 
 @dataclass(frozen=True)
@@ -70,6 +93,53 @@ class Observation:
     # Requests the reporting pods finished or refused since their previous scrape (kvfleet_requests_total's
     # increase): with waiting + running at 0, none arrived in between. None: unknown (a pod's first scrape).
     requests_arrived: float | None = None
+    # The capacity model's inputs (None: unknown, e.g. agents without the counters or a pod's first scrape).
+    flow: Flow | None = None  # over the metrics window
+    flow_last: Flow | None = None  # over the last scrape interval: the panic window
+    queue_time_p95: float | None = None  # time waiting before prefill, p95 over the window (queueing vs prefill)
+    kv_usage: float | None = None  # the highest KV cache usage ratio among reporting pods, newest scrape
+
+
+@dataclass(frozen=True)
+class Line:
+    """A fitted (or assumed) s/q line: w seconds per token alone, m tokens/s at saturation, per replica."""
+
+    w: float
+    m: float
+    fitted: bool
+
+    def depth(self, s: float) -> float:
+        """Requests a replica holds while serving s tokens/s (infinite at or past saturation)."""
+        return s * self.w / (1 - s / self.m) if s < self.m else math.inf
+
+    def at_depth(self, q: float) -> float:
+        """Tokens/s per replica at which it holds q requests (the inverse of depth())."""
+        return q / (self.w + q / self.m)
+
+
+@dataclass(frozen=True)
+class Capacity:
+    """What the model carries between rounds: recent (time, s, q) samples per replica, the last line, and the
+    latency ceiling (time, tokens/s per replica) if a queueing-bound percentile was recently over its target."""
+
+    samples: tuple[tuple[float, float, float], ...] = ()
+    line: Line | None = None
+    ceiling: tuple[float, float] | None = None
+
+    def to_list(self) -> list[object]:
+        """JSON-ready form."""
+        line = None if self.line is None else [self.line.w, self.line.m, self.line.fitted]
+        return [[list(s) for s in self.samples], line, None if self.ceiling is None else list(self.ceiling)]
+
+    @classmethod
+    def from_list(cls, d: Sequence[object] | None) -> Capacity:
+        """Inverse of to_list()."""
+        if not d:
+            return cls()
+        samples, line, ceiling = d
+        return cls(tuple((float(t), float(s), float(q)) for t, s, q in samples),  # type: ignore[attr-defined]
+                   None if line is None else Line(float(line[0]), float(line[1]), bool(line[2])),  # type: ignore[index]
+                   None if ceiling is None else (float(ceiling[0]), float(ceiling[1])))  # type: ignore[index]
 
 
 @dataclass(frozen=True)
@@ -81,13 +151,14 @@ class AutoscalerState:
     startup_durations: tuple[float, ...] = ()
     rates: tuple[tuple[float, float], ...] = ()  # (time, the fleet's request rate) for the trend
     idle_since: float | None = None  # the first round of the current idle stretch (zero.py); None: not idle
+    capacity: Capacity = field(default_factory=lambda: Capacity())  # the capacity model (capacity.py)
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready form."""
         return {"recommendations": [[r.time, r.replicas] for r in self.recommendations],
                 "scaleEvents": [[e.time, e.change] for e in self.scale_events],
                 "startupDurations": list(self.startup_durations), "requestRates": [[t, x] for t, x in self.rates],
-                "idleSince": self.idle_since}
+                "idleSince": self.idle_since, "capacity": self.capacity.to_list()}
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> AutoscalerState:
@@ -96,7 +167,8 @@ class AutoscalerState:
                    tuple(ScaleEvent(float(t), int(n)) for t, n in d.get("scaleEvents", [])),
                    tuple(float(x) for x in d.get("startupDurations", [])),
                    tuple((float(t), float(x)) for t, x in d.get("requestRates", [])),
-                   None if d.get("idleSince") is None else float(d["idleSince"]))
+                   None if d.get("idleSince") is None else float(d["idleSince"]),
+                   Capacity.from_list(d.get("capacity")))
 
 
 @dataclass(frozen=True)

@@ -131,7 +131,11 @@ async def tick(namespace: str, name: str, uid: str, ctx: Context, *, clock: Call
         latency={t.source: mem.window.latency(t.metric, t.percentile / 100) for t in pol.latency_targets},
         new_startup_durations=mem.startups.observe(fleet), starting_ages=fleet.starting_ages(now),
         held_requests=demand.of(namespace, name), routers_reporting=len(demand.reporting),
-        routers_failing=len(demand.errors), requests_arrived=mem.window.arrivals() if complete else None)
+        routers_failing=len(demand.errors), requests_arrived=mem.window.arrivals() if complete else None,
+        # The capacity model reads the flow only when every ready pod reported: a silent pod's load is unknown.
+        flow=mem.window.flow() if complete else None, flow_last=mem.window.flow(last=True) if complete else None,
+        queue_time_p95=mem.window.quantile("queue", 0.95) if complete else None,
+        kv_usage=max((s.kv_usage for s in result.snapshots.values() if s.kv_usage is not None), default=None))
     carried = mem.state if mem.state is not None else rebuild_state(previous)
     d = decide(pol, obs, carried)
     if d.desired_replicas != d.current_replicas:
@@ -144,6 +148,7 @@ async def tick(namespace: str, name: str, uid: str, ctx: Context, *, clock: Call
                f"{d.current_replicas} → {d.desired_replicas} replicas: {d.reason}")
     mem.state = d.state
     metrics.set_desired(namespace, name, d.limited_by, d.desired_replicas)
+    metrics.set_capacity(namespace, name, d.proposals)
     metrics.AUTOSCALE_TICKS.labels(result="scaled" if d.desired_replicas != d.current_replicas else "kept").inc()
     p95 = (mem.window.quantile("ttft", 0.95), mem.window.quantile("itl", 0.95))  # the columns kubectl get shows
     await _write_status(kube, cr, d, fleet, result.errors, demand, p95, post_event)

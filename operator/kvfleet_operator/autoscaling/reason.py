@@ -19,7 +19,7 @@ def describe_rate(rules: ScalingRules, up: bool) -> str:
 
 
 def explain(policy: AutoscalingPolicy, obs: Observation, win: Proposal | None, raw: int, desired: int,
-            limited: LimitedBy, expected: float | None, since_down: float, zero_tail: str = "") -> str:
+            limited: LimitedBy, expected: float | None, zero_tail: str = "") -> str:
     """One human sentence: the winning signal, the proposal, and what limited it (`zero_tail`: the words of the
     scale-to-zero limits, scaleToZeroWindow and noRouter, which zero.py writes)."""
     starting = f" + {obs.starting_replicas} starting" if obs.starting_replicas else ""
@@ -27,7 +27,13 @@ def explain(policy: AutoscalingPolicy, obs: Observation, win: Proposal | None, r
     if win is None:
         head = f"no metrics from {obs.ready_replicas} ready ({obs.reporting_replicas} reporting)"
     else:
-        if win.source == "queue":
+        if win.source == "capacity":
+            held = f", {obs.held_requests:g} held at the router" if obs.held_requests else ""
+            target = (f"queue target {policy.queue_depth_per_replica:g}" if policy.queue_depth_per_replica is not None
+                      else "the latency targets")
+            head = (f"demand {win.observed:,.0f} tokens/s{held} against {win.target:,.0f} tokens/s per replica at "
+                    f"{target} {fleet}")
+        elif win.source == "queue":
             held = f" (with {obs.held_requests:g} held at the router)" if obs.held_requests else ""
             head = f"queue depth {win.observed:g}{held} at target {win.target:g} per replica {fleet}"
         else:
@@ -48,13 +54,12 @@ def explain(policy: AutoscalingPolicy, obs: Observation, win: Proposal | None, r
                                   "stabilization window",
         "scaleUpRate": f"limited to {k} by scale-up rate ({describe_rate(b.scale_up, True)})",
         "scaleDownRate": f"limited to {k} by scale-down rate ({describe_rate(b.scale_down, False)})",
-        "recentScaleDown": f"keeping {k}: scaled down {since_down:.0f}s ago, and within the "
-                           f"{b.scale_down.stabilization_window_seconds}s scale-down window scaling back up takes "
-                           f"a latency target over tolerance or the queue over twice the tolerance",
+        "recentScaleDown": f"keeping {k}",
         "partialMetrics": f"keeping {k}: only {obs.reporting_replicas} of {obs.ready_replicas} ready pods reported "
                           "metrics, never scaling down on partial data",
-        "capacityBlocked": f"keeping {k}: {obs.unschedulable_replicas} pods unschedulable, no scale-up until they "
-                           "schedule",
+        "capacityBlocked": f"limited to {k}: {obs.unschedulable_replicas} unschedulable "
+                           f"pod{'' if obs.unschedulable_replicas == 1 else 's'}, at most "
+                           f"{policy.unschedulable_budget} pending at once",
         "minReplicas": f"raised to minReplicas {k}", "maxReplicas": f"capped at maxReplicas {k}",
         "scaleToZeroWindow": zero_tail, "noRouter": zero_tail,
     }[limited]

@@ -14,10 +14,16 @@ import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvfleet_contract import metrics as contract
+from kvfleet_operator.autoscaling.decision import Flow
 
 # Short names (used by autoscaling targets) → the agent's histogram families.
 HISTOGRAMS: Mapping[str, str] = contract.LATENCY_TARGETS
+# Every histogram a snapshot keeps: the targets', plus the time waiting before prefill (which tells queueing TTFT
+# from prefill-bound TTFT).
+PARSED: Mapping[str, str] = {**HISTOGRAMS, "queue": contract.QUEUE_TIME}
 WAITING, RUNNING = contract.REQUESTS_WAITING, contract.REQUESTS_RUNNING
+# Counters a snapshot keeps (kvfleet_requests_total is `requests`): the tokens behind the capacity model.
+COUNTERS: Mapping[str, str] = {contract.PROMPT_TOKENS: "prompt_tokens", contract.GENERATION_TOKENS: "generation_tokens"}
 
 
 class ParseError(ValueError):
@@ -42,8 +48,11 @@ class Snapshot:
     time: float
     waiting: float
     running: float
-    histograms: Mapping[str, Histogram] = field(default_factory=dict)  # keyed by HISTOGRAMS' short names
+    histograms: Mapping[str, Histogram] = field(default_factory=dict)  # keyed by PARSED's short names
     requests: float | None = None  # kvfleet_requests_total over every outcome (None: an agent without it)
+    prompt_tokens: float | None = None  # kvfleet_prompt_tokens_total (None: absent)
+    generation_tokens: float | None = None  # kvfleet_generation_tokens_total (None: absent)
+    kv_usage: float | None = None  # kvfleet_kv_cache_usage_ratio (None: absent)
 
     @property
     def queue_depth(self) -> float:
@@ -62,17 +71,17 @@ class ScrapeResult:
 def parse_exposition(text: str, pod: str, at: float, model: str | None = None) -> Snapshot:
     """Parse an agent's text exposition; label sets are summed (one agent serves one model) unless `model` picks one."""
     gauges: dict[str, float] = {}
-    requests: float | None = None
-    parts: dict[str, dict[str, float]] = {short: {} for short in HISTOGRAMS}
-    by_family = {family: short for short, family in HISTOGRAMS.items()}
+    counters: dict[str, float] = {}
+    parts: dict[str, dict[str, float]] = {short: {} for short in PARSED}
+    by_family = {family: short for short, family in PARSED.items()}
     try:
         for fam in text_string_to_metric_families(text):
             short = by_family.get(fam.name)
-            if fam.name == contract.REQUESTS:
-                requests = sum(s.value for s in fam.samples if s.name.endswith("_total") and (
+            if fam.name == contract.REQUESTS or fam.name in COUNTERS:
+                counters[fam.name] = sum(s.value for s in fam.samples if s.name.endswith("_total") and (
                     model is None or s.labels.get(contract.MODEL_LABEL) == model))
                 continue
-            if fam.name not in (WAITING, RUNNING) and short is None:
+            if fam.name not in (WAITING, RUNNING, contract.KV_CACHE_USAGE) and short is None:
                 continue
             for s in fam.samples:
                 if model is not None and s.labels.get(contract.MODEL_LABEL) != model:
@@ -89,7 +98,9 @@ def parse_exposition(text: str, pod: str, at: float, model: str | None = None) -
     if missing:
         raise ParseError(f"missing {', '.join(missing)}")
     hists = {short: h for short, p in parts.items() if (h := _histogram(p)) is not None}
-    return Snapshot(pod, at, gauges[WAITING], gauges[RUNNING], hists, requests)
+    return Snapshot(pod, at, gauges[WAITING], gauges[RUNNING], hists, counters.get(contract.REQUESTS),
+                    **{field_: counters[fam] for fam, field_ in COUNTERS.items() if fam in counters},
+                    kv_usage=gauges.get(contract.KV_CACHE_USAGE))
 
 
 def _histogram(parts: Mapping[str, float]) -> Histogram | None:
@@ -261,8 +272,32 @@ class MetricsWindow:
             before, after = (previous.requests, hist[-1].requests) if previous is not None else (None, None)
             if before is None or after is None:
                 return None
-            total += after - before if after >= before else after
+            total += _counter_increase(before, after)
         return total if self._history else None
+
+    def flow(self, last: bool = False) -> Flow | None:
+        """Requests and tokens per second through the reporting pods over the window (`last`: each pod's last scrape
+        interval), summed across pods. A pod with one sample so far (it just became ready) is left out: `pods` says
+        how many the figures cover; None when none has two samples, or one lacks the request counter. Arrivals are
+        completions plus the rise of what the pods hold (Little's balance): the demand, not the served rate."""
+        done = arrived = prompt = output = 0.0
+        covered = 0
+        for pod, hist in self._history.items():
+            a, b = (self._previous.get(pod), hist[-1]) if last else (hist[0], hist[-1])
+            if a is None or b is None or a is b or b.time <= a.time:
+                continue
+            if a.requests is None or b.requests is None:
+                return None
+            covered += 1
+            span = b.time - a.time
+            finished = _counter_increase(a.requests, b.requests)
+            done += finished / span
+            arrived += max(finished + b.queue_depth - a.queue_depth, 0.0) / span
+            if a.prompt_tokens is not None and b.prompt_tokens is not None:
+                prompt += _counter_increase(a.prompt_tokens, b.prompt_tokens) / span
+            if a.generation_tokens is not None and b.generation_tokens is not None:
+                output += _counter_increase(a.generation_tokens, b.generation_tokens) / span
+        return Flow(done, arrived, prompt, output, covered) if covered else None
 
     def quantile(self, metric: str, q: float, last: bool = False) -> float | None:
         """histogram_quantile(q, sum by (le) (increase(metric_bucket[window]))); None when nothing was observed.
@@ -279,6 +314,11 @@ class MetricsWindow:
         does not hold replicas for another window)."""
         values = [v for v in (self.quantile(metric, q), self.quantile(metric, q, last=True)) if v is not None]
         return min(values) if values else None
+
+
+def _counter_increase(before: float, after: float) -> float:
+    """A counter's increase, from 0 after a restart (PromQL's increase() rule)."""
+    return after - before if after >= before else after
 
 
 def _increase(samples: Sequence[Histogram]) -> Histogram:

@@ -22,6 +22,7 @@ from kvfleet_operator.autoscaling.decide import (
 )
 from kvfleet_operator.autoscaling.fleet import Fleet, timestamp
 from kvfleet_operator.autoscaling.router_demand import RouterDemand
+from kvfleet_operator.builders import STARTUP_FAILURES, STARTUP_PERIOD_SECONDS
 from kvfleet_operator.models import AutoscalingSpec, ScaleDownRules, ScaleUpRules
 from kvfleet_operator.status import (
     AUTOSCALER_CONDITIONS,
@@ -57,7 +58,8 @@ def policy(a: AutoscalingSpec) -> AutoscalingPolicy:
         queue_depth_per_replica=a.targets.queue_depth_per_replica,
         latency_targets=tuple(LatencyTarget(t.metric, t.percentile, t.seconds) for t in a.targets.latency),
         behavior=Behavior(_rules(a.behavior.scale_up), _rules(a.behavior.scale_down)),
-        startup_grace_seconds=a.startup_grace_seconds, scale_to_zero_after_seconds=a.scale_to_zero_after_seconds)
+        startup_grace_seconds=a.startup_grace_seconds, scale_to_zero_after_seconds=a.scale_to_zero_after_seconds,
+        startup_budget_seconds=float(STARTUP_PERIOD_SECONDS * STARTUP_FAILURES))
 
 
 def _finite(x: float | None) -> float | None:
@@ -121,7 +123,8 @@ def conditions(d: Decision, fleet: Fleet, errors: Mapping[str, str], *, generati
         first = fleet.unschedulable[0]
         blocked = cond(CAPACITY_BLOCKED, True, "Unschedulable",
                        f"{len(fleet.unschedulable)} pods cannot be scheduled ({first.name}: "
-                       f"{first.unschedulable_message or 'Unschedulable'}); no scale-up until they schedule")
+                       f"{first.unschedulable_message or 'Unschedulable'}); scale-up goes on only while fewer are "
+                       "Pending than the budget")
     else:
         blocked = cond(CAPACITY_BLOCKED, False, "AllPodsSchedulable", "no pod is waiting for capacity")
     ready = len(fleet.ready)

@@ -86,4 +86,4 @@ class Projection:
 
     def per_min(self) -> str:
         """The trend's slope in percent of its level per minute, e.g. "5%"."""
-        return f"{abs(self.trend.slope) * 60 / self.trend.level:.0%}" if self.trend.level > 0 else "?"
+        return f"{abs(self.trend.slope) * 60 / self.trend.level:.0%}" if self.trend.level > 0 else "to zero"

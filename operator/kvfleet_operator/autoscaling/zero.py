@@ -146,5 +146,5 @@ def from_zero(policy: AutoscalingPolicy, obs: Observation, state: AutoscalerStat
     # The windows restart from here: the rounds at zero recommended nothing a window should weigh against demand.
     events = tuple(e for e in state.scale_events if e.time > now - event_horizon(up, down))
     new_state = AutoscalerState((Recommendation(now, n),), (*events, *((ScaleEvent(now, n),) if n else ())),
-                                durations)
+                                durations, capacity=state.capacity)  # what a replica serves outlives a stretch at 0
     return Decision(now, 0, obs.ready_replicas, obs.starting_replicas, n, (), limited, reason, expected, new_state)
