@@ -4,14 +4,17 @@ from __future__ import annotations
 
 import math
 from collections import deque
+from dataclasses import dataclass
 
-from simulator import Fleet
+from replica import ReplicaModel
+from simulator import Autoscaler, Fleet
 
 from kvfleet_operator.autoscaling.decide import (
     AutoscalerState,
     AutoscalingPolicy,
     Behavior,
     Decision,
+    LatencyTarget,
     Observation,
     Recommendation,
     ScaleEvent,
@@ -22,6 +25,9 @@ from kvfleet_operator.autoscaling.decide import (
     stabilize,
 )
 from kvfleet_operator.autoscaling.scrape import MetricsWindow
+from kvfleet_operator.config import OperatorConfig
+
+UNSCHEDULABLE_GRACE_S = OperatorConfig().unschedulable_grace_seconds  # Pending this long → counted unschedulable
 
 
 class Kvfleet:
@@ -34,15 +40,32 @@ class Kvfleet:
         self.decisions: list[Decision] = []
 
     def tick(self, now: float, fleet: Fleet) -> int:
+        """One round of the operator's loop (autoscaling/loop.py's tick), with the simulated fleet and router."""
         snaps = fleet.scrape(now)
-        self.window.update(snaps, live={s.pod for s in snaps}, now=now)
+        ready = fleet.ready_pods()
+        # As the loop does: the window follows the ready pods (one that misses a scrape keeps its history).
+        self.window.update(snaps, live={p.name for p in ready}, now=now)
+        complete = len(snaps) == len(ready)
+        queue: float | None = None
+        queue_mean: float | None = None
+        if snaps:  # with a pod missing, the window's sums would mix in its stale sample: this round's sum only
+            if complete:
+                queue, queue_mean = self.window.queue_depth(), self.window.mean_queue_depth()
+            else:
+                queue = sum(s.queue_depth for s in snaps)
         latency = {t.source: self.window.latency(t.metric, t.percentile / 100) for t in self.policy.latency_targets}
-        ready = len(fleet.ready_pods())
-        obs = Observation(now, fleet.spec, ready, len(fleet.pods) - ready, len(snaps),
-                          queue_depth=self.window.queue_depth(), queue_depth_mean=self.window.mean_queue_depth(),
+        kv = [s.kv_usage for s in snaps if s.kv_usage is not None]
+        obs = Observation(now, fleet.spec, len(ready), len(fleet.pods) - len(ready), len(snaps),
+                          unschedulable_replicas=fleet.unschedulable(now, UNSCHEDULABLE_GRACE_S),
+                          queue_depth=queue, queue_depth_mean=queue_mean,
                           request_rate=self.window.request_rate(),
                           latency=latency, new_startup_durations=fleet.take_startups(),
-                          starting_ages=fleet.starting_ages(now))
+                          starting_ages=fleet.starting_ages(now),
+                          held_requests=float(len(fleet.held)), routers_reporting=1,  # one router, always read
+                          requests_arrived=self.window.arrivals() if complete else None,
+                          flow=self.window.flow(), flow_last=self.window.flow(last=True),
+                          queue_time_p95=self.window.quantile("queue", 0.95),
+                          kv_usage=max(kv) if kv else None)
         d = decide(self.policy, obs, self.state)
         self.state = d.state
         self.decisions.append(d)
@@ -71,16 +94,21 @@ class Hpa:
         self.recs: tuple[Recommendation, ...] = ()
         self.events: tuple[ScaleEvent, ...] = ()
 
-    def _metric_replicas(self, fleet: Fleet) -> int | None:
+    def _metric_replicas(self, fleet: Fleet, now: float) -> int | None:
         current = fleet.spec
-        values = [float(p.load) for p in fleet.pods if p.ready]
-        missing = len(fleet.pods) - len(values)
-        if not values:
+        metrics = fleet.loads(now)
+        if not metrics:
             return None  # "did not receive metrics for targeted pods": the HPA does not scale
+        # groupPods: a Pending pod is unready (ignored, or 0 on a scale-up); a pod without metrics is missing.
+        unready = len(fleet.pending(now))
+        missing = len(fleet.pods) - unready - len(metrics)
+        values = list(metrics.values())
         ratio = sum(values) / len(values) / self.target
-        if missing == 0:
+        rebalance_unready = unready > 0 and ratio > 1
+        if not rebalance_unready and missing == 0:
             return current if abs(ratio - 1) <= self.tolerance else math.ceil(ratio * len(values))
-        filled = values + [0.0 if ratio >= 1 else self.target] * missing
+        filled = values + [0.0 if ratio >= 1 else self.target] * missing + [0.0] * (unready if rebalance_unready
+                                                                                  else 0)
         new_ratio = sum(filled) / len(filled) / self.target
         if abs(new_ratio - 1) <= self.tolerance or (ratio < 1 < new_ratio) or (ratio > 1 > new_ratio):
             return current
@@ -89,7 +117,7 @@ class Hpa:
 
     def tick(self, now: float, fleet: Fleet) -> int:
         current = fleet.spec
-        raw = self._metric_replicas(fleet)
+        raw = self._metric_replicas(fleet, now)
         if raw is None:
             return current
         if not self.recs:  # maybeInitScaleDownStabilizationWindow
@@ -124,7 +152,10 @@ class KubeAI:
         self.consecutive = 0
 
     def tick(self, now: float, fleet: Fleet) -> int:
-        active = float(sum(p.load for p in fleet.pods if p.ready))
+        loads = fleet.loads(now)
+        if loads is None:  # the scrape failed: KubeAI logs it and skips this round
+            return fleet.spec
+        active = sum(loads.values())
         if not self.history:
             self.history.extend([active] * (self.history.maxlen or 1))
         self.history.append(active)
@@ -137,3 +168,31 @@ class KubeAI:
         else:
             self.consecutive = 0
         return desired
+
+
+@dataclass(frozen=True)
+class Setup:
+    """What every policy shares: the replica, the load unit, the SLO and the per-replica queue target.
+
+    From `--calibrate` on gpu-8b with the default request mix, one replica alone: TTFT p95 0.16 s at 4
+    requests/s, 0.28 s at 8 (holding 43 requests, waiting + running), 0.51 s at 10, 3.7 s at 12, and it
+    saturates past ~12.5. The unit is 8 requests/s; the queue target every policy gets (the number a user
+    would write: HPA averageValue, KubeAI targetRequests, kvfleet queueDepthPerReplica) is what a replica
+    holds there, 45; kvfleet alone also gets the SLO itself, TTFT p95 <= 0.5 s.
+    """
+
+    model: ReplicaModel
+    unit: float = 8.0  # requests/s one replica serves comfortably within the SLO
+    queue_target: float = 45.0
+    ttft_target: float = 0.5
+    min_replicas: int = 1
+    max_replicas: int = 20
+
+
+def make_policies(s: Setup) -> list[Autoscaler]:
+    """kvfleet with the shipped defaults (tolerance, behavior) plus the two targets; the baselines' defaults."""
+    kv = AutoscalingPolicy(min_replicas=s.min_replicas, max_replicas=s.max_replicas,
+                           queue_depth_per_replica=s.queue_target,
+                           latency_targets=(LatencyTarget("ttft", 95, s.ttft_target),))
+    return [Kvfleet(kv), Hpa(s.queue_target, s.min_replicas, s.max_replicas),
+            KubeAI(s.queue_target, s.min_replicas, s.max_replicas)]

@@ -8,7 +8,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from kvfleet_contract import metrics as contract
-from kvfleet_operator.autoscaling.scrape import HISTOGRAMS, Histogram, Snapshot
+from kvfleet_operator.autoscaling.scrape import PARSED, Histogram, Snapshot
 
 EPS = 1e-6  # tokens: far above float error at simulated times of hours, far below one token
 
@@ -43,11 +43,13 @@ PRESETS = {
 class Request:
     """One request and its timeline (None until it happens)."""
 
-    __slots__ = ("arrival", "decode_start", "finish", "first_token", "output", "prefill_left", "prompt")
+    __slots__ = ("arrival", "decode_start", "finish", "first_token", "output", "prefill_left", "prefill_start",
+                 "prompt")
 
     def __init__(self, arrival: float, prompt: int, output: int) -> None:
         self.arrival, self.prompt, self.output = arrival, prompt, output
         self.prefill_left = float(prompt)
+        self.prefill_start: float | None = None  # when it became the head of the prefill FIFO
         self.first_token: float | None = None
         self.decode_start = 0.0
         self.finish: float | None = None
@@ -86,6 +88,7 @@ class Replica:
     def __init__(self, name: str, model: ReplicaModel, created: float, ready_at: float) -> None:
         self.name, self.model, self.created, self.ready_at = name, model, created, ready_at
         self.ready = self.draining = False
+        self.pending_until = created  # later than created: Pending (unschedulable) until then, holding no GPU
         self.waiting: deque[Request] = deque()
         self.prefill: deque[Request] = deque()
         self.backlog = 0.0  # prompt tokens left in the prefill FIFO
@@ -94,18 +97,35 @@ class Replica:
         self.decode_rate = self.prefill_rate = 0.0
         self.version = 0  # bumps on every reschedule; events carrying an older version are stale
         self._seq = 0
-        self.hists = {short: _Hist(contract.BUCKETS[family]) for short, family in HISTOGRAMS.items()}
+        # The agent's histograms: ttft, itl, e2e, and queue (kvfleet_request_queue_time_seconds: arrival → prefill
+        # start, observed when the request becomes the head of the prefill FIFO).
+        self.hists = {short: _Hist(contract.BUCKETS[family]) for short, family in PARSED.items()}
+        # The agent's counters: kvfleet_requests_total (finished requests; nothing is refused here), prompt tokens
+        # (counted when a request's prefill completes) and generation tokens (its output length, at its finish).
+        self.completed = self.prompt_tokens = self.generation_tokens = 0
 
     @property
     def load(self) -> int:
         """Requests held: waiting plus running (the queue-depth gauge pair)."""
         return len(self.waiting) + len(self.prefill) + len(self.decoding)
 
+    @property
+    def running(self) -> int:
+        """Sequences holding a slot: in the prefill FIFO or decoding."""
+        return len(self.prefill) + len(self.decoding)
+
+    @property
+    def kv_usage(self) -> float:
+        """A proxy for kvfleet_kv_cache_usage_ratio: slots held / max_num_seqs. KV blocks are not modelled (a real
+        cache fills with context length too, so long prompts would read higher than this)."""
+        return self.running / self.model.max_num_seqs
+
     def snapshot(self, now: float) -> Snapshot:
         """What a scrape of this pod's /metrics would parse to."""
-        hists = {short: h.cumulative() for short, h in self.hists.items() if short in HISTOGRAMS}
-        return Snapshot(self.name, now, float(len(self.waiting)), float(len(self.prefill) + len(self.decoding)),
-                        hists)
+        hists = {short: h.cumulative() for short, h in self.hists.items() if short in PARSED}
+        return Snapshot(self.name, now, float(len(self.waiting)), float(self.running), hists,
+                        requests=float(self.completed), prompt_tokens=float(self.prompt_tokens),
+                        generation_tokens=float(self.generation_tokens), kv_usage=self.kv_usage)
 
     def add(self, req: Request, now: float) -> float | None:
         """Accept a request; returns the time of this replica's next internal event."""
@@ -138,6 +158,7 @@ class Replica:
         while self.prefill and self.prefill[0].prefill_left <= EPS:
             req = self.prefill.popleft()
             req.first_token = now
+            self.prompt_tokens += req.prompt
             self.hists["ttft"].observe(now - req.arrival)
             if req.output <= 1:
                 self._finish(req, now, done)
@@ -155,6 +176,10 @@ class Replica:
             req = self.waiting.popleft()
             self.prefill.append(req)
             self.backlog += req.prefill_left
+        if self.prefill and self.prefill[0].prefill_start is None:  # a new head: its prefill starts now
+            head = self.prefill[0]
+            head.prefill_start = now
+            self.hists["queue"].observe(now - head.arrival)
         n_dec = len(self.decoding)
         chunk = min(max(m.token_budget - n_dec, 0), self.backlog)
         step = m.step_base_s + m.step_per_decode_s * n_dec + m.step_per_prefill_token_s * chunk
@@ -171,6 +196,8 @@ class Replica:
 
     def _finish(self, req: Request, now: float, done: list[Request]) -> None:
         req.finish = now
+        self.completed += 1
+        self.generation_tokens += req.output
         if req.output > 1:  # the fluid gives each request its mean gap; observed once per gap like the agent
             self.hists["itl"].observe((now - req.decode_start) / (req.output - 1), req.output - 1)
         self.hists["e2e"].observe(now - req.arrival)

@@ -7,53 +7,30 @@ import math
 import sys
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # run as a script: the sibling modules are top-level
 
-from policies import Hpa, KubeAI, Kvfleet
+from policies import Setup, make_policies
 from replica import PRESETS, ReplicaModel
 from scoring import Score, combine, plot, rolling_p95, score, table
-from simulator import Autoscaler, Fleet, RunResult, simulate
-from workload import RequestMix, Trace, traces
+from simulator import FAULTS, Autoscaler, Fleet, RunResult, fault_kind, simulate
+from suite import COLD_STARTS, SUITE_COLD_STARTS, SUITE_SCALE, Case, Runner, matrix, run_cases
+from workload import TRACE_NAMES, RequestMix, Trace
 
-from kvfleet_operator.autoscaling.decide import AutoscalingPolicy, LatencyTarget
-
-
-@dataclass(frozen=True)
-class Setup:
-    """What every policy shares: the replica, the load unit, the SLO and the per-replica queue target.
-
-    From `--calibrate` on gpu-8b with the default request mix, one replica alone: TTFT p95 0.16 s at 4
-    requests/s, 0.28 s at 8 (holding 43 requests, waiting + running), 0.51 s at 10, 3.7 s at 12, and it
-    saturates past ~12.5. The unit is 8 requests/s; the queue target every policy gets (the number a user
-    would write: HPA averageValue, KubeAI targetRequests, kvfleet queueDepthPerReplica) is what a replica
-    holds there, 45; kvfleet alone also gets the SLO itself, TTFT p95 <= 0.5 s.
-    """
-
-    model: ReplicaModel
-    unit: float = 8.0  # requests/s one replica serves comfortably within the SLO
-    queue_target: float = 45.0
-    ttft_target: float = 0.5
-    min_replicas: int = 1
-    max_replicas: int = 20
+__all__ = ["Setup", "calibrate", "compare", "main", "policies"]
 
 
 def policies(s: Setup) -> list[Autoscaler]:
-    """kvfleet with the shipped defaults (tolerance, behavior) plus the two targets; the baselines' defaults."""
-    kv = AutoscalingPolicy(min_replicas=s.min_replicas, max_replicas=s.max_replicas,
-                           queue_depth_per_replica=s.queue_target,
-                           latency_targets=(LatencyTarget("ttft", 95, s.ttft_target),))
-    return [Kvfleet(kv), Hpa(s.queue_target, s.min_replicas, s.max_replicas),
-            KubeAI(s.queue_target, s.min_replicas, s.max_replicas)]
+    """kvfleet, HPA and KubeAI for this setup (policies.make_policies)."""
+    return make_policies(s)
 
 
 def compare(setup: Setup, chosen: Sequence[Trace], seeds: Sequence[int] = (1,),
             mix: RequestMix | None = None) -> dict[str, list[tuple[Score, RunResult]]]:
     """Every chosen trace under every policy, from the same arrivals, starting at the replicas the trace's
-    initial load needs; per trace × policy, the score summed over the seeds and the first seed's run."""
-    mix = mix or RequestMix()
+    initial load needs, in this process; per trace × policy, the score summed over the seeds and the first seed's
+    run. (The suite, with cold starts, faults and seeded traces, is suite.run_cases.)"""
     out: dict[str, list[tuple[Score, RunResult]]] = {}
     for trace in chosen:
         initial = max(setup.min_replicas, math.ceil(trace.rate(0.0) / setup.unit))
@@ -102,15 +79,25 @@ def calibrate(model: ReplicaModel, mix: RequestMix, rates: Sequence[float], seco
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--model", choices=sorted(PRESETS), default="gpu-8b")
-    ap.add_argument("--traces", nargs="+", default=["step", "ramp", "burst", "wave"])
-    ap.add_argument("--scale", type=float, default=1.0, help="shorten every trace by this factor")
+    ap.add_argument("--suite", action="store_true",
+                    help="the matrix: every trace × the 30s/2m/5m cold starts, plus each fault on step and spike "
+                         "at 2m (--traces, --cold-starts and --faults filter it)")
+    ap.add_argument("--traces", nargs="+", choices=TRACE_NAMES,
+                    help="default: step ramp burst wave (all nine with --suite)")
+    ap.add_argument("--cold-starts", nargs="+", choices=sorted(COLD_STARTS),
+                    help="startup time, ±20%%; preset: the model's own range (default: preset; 30s 2m 5m with "
+                         "--suite)")
+    ap.add_argument("--faults", nargs="+", choices=FAULTS, help="default: none (all with --suite)")
+    ap.add_argument("--scale", type=float,
+                    help=f"shorten every trace by this factor (default 1; {SUITE_SCALE:g} with --suite)")
     ap.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3],
-                    help="arrival and startup-time seeds; scores are totals over them")
+                    help="arrival, trace-noise and startup-time seeds; scores are totals over them")
+    ap.add_argument("--jobs", type=int, default=2, help="simulations run in parallel (worker processes)")
     ap.add_argument("--unit", type=float, default=Setup.unit, help="requests/s of one replica's worth of load")
     ap.add_argument("--queue-target", type=float, default=Setup.queue_target)
     ap.add_argument("--ttft-target", type=float, default=Setup.ttft_target)
     ap.add_argument("--max-replicas", type=int, default=Setup.max_replicas)
-    ap.add_argument("--out", type=Path, help="write results.md and one PNG per trace here")
+    ap.add_argument("--out", type=Path, help="write results.md and one PNG per case here")
     ap.add_argument("--calibrate", action="store_true", help="print one replica's latency against load, and stop")
     ap.add_argument("--rates", type=float, nargs="+", default=[2, 4, 6, 8, 10, 12, 14, 16],
                     help="requests/s for --calibrate")
@@ -120,19 +107,30 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(calibrate(model, RequestMix(), args.rates))
         return 0
     setup = Setup(model, args.unit, args.queue_target, args.ttft_target, max_replicas=args.max_replicas)
-    chosen = [traces(args.unit, args.scale)[name] for name in args.traces]
+    seeds = args.seeds
+    if args.suite:
+        cases = matrix(args.traces or TRACE_NAMES, args.cold_starts or SUITE_COLD_STARTS, args.faults or FAULTS)
+    else:
+        cases = [Case(t, c, fault_kind(f)) for t in args.traces or ("step", "ramp", "burst", "wave")
+                 for c in args.cold_starts or ("preset",) for f in args.faults or ("none",)]
+    if not cases:
+        ap.error("the filters leave no case")
+    scale = args.scale if args.scale is not None else SUITE_SCALE if args.suite else 1.0
     started = time.perf_counter()
-    results = compare(setup, chosen, args.seeds)
-    report = table({name: [s for s, _ in runs] for name, runs in results.items()})
+    results = run_cases(Runner(setup, scale), cases, seeds, args.jobs, keep_runs=args.out is not None,
+                        progress=sys.stderr.isatty() or args.suite)
+    report = table({c.label: [s for s, _ in runs] for c, runs in results.items()})
     print(report)
-    print(f"({time.perf_counter() - started:.0f} s; model {args.model}, unit {args.unit:g} req/s, queue target "
-          f"{args.queue_target:g}, TTFT p95 target {args.ttft_target:g} s, seeds {' '.join(map(str, args.seeds))})")
+    print(f"({time.perf_counter() - started:.0f} s with {args.jobs} jobs; {len(cases)} cases; model {args.model}, "
+          f"unit {args.unit:g} req/s, queue target {args.queue_target:g}, TTFT p95 target {args.ttft_target:g} s, "
+          f"scale {scale:g}, seeds {' '.join(map(str, seeds))})")
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "results.md").write_text(report)
-        for name, runs in results.items():
+        for case, runs in results.items():
             try:
-                plot([r for _, r in runs], args.ttft_target, args.out / f"{name}.png")
+                plot([r for _, r in runs if r is not None], args.ttft_target, args.out / f"{case.slug}.png",
+                     case.label)
             except ImportError:
                 print("matplotlib is not installed: no plots", file=sys.stderr)
                 break

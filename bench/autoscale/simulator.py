@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import heapq
+import math
 import random
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Protocol, cast
+from typing import Literal, Protocol, cast
 
 from replica import Replica, ReplicaModel, Request
 from workload import RequestMix, Trace, arrivals
@@ -16,17 +17,57 @@ from kvfleet_router.picker import ReplicaLoad, pick
 
 ROUTER_EPSILON = 0.25  # kvfleet-router's default --epsilon
 
+FaultKind = Literal["none", "metrics-dropout", "never-ready", "unschedulable"]
+FAULTS: tuple[FaultKind, ...] = ("none", "metrics-dropout", "never-ready", "unschedulable")
+
+
+def fault_kind(name: str) -> FaultKind:
+    """A fault's name, checked."""
+    for kind in FAULTS:
+        if kind == name:
+            return kind
+    raise ValueError(f"unknown fault {name!r}; one of {', '.join(FAULTS)}")
+
+
+@dataclass(frozen=True)
+class Fault:
+    """What goes wrong, the same for every policy.
+
+    metrics-dropout: from `at` for `seconds`, every pod's /metrics scrape fails.
+    never-ready: the first pod created by a scale-up at or after `at` never becomes ready (it stays starting).
+    unschedulable: the first pod created by a scale-up at or after `at` stays Pending (Unschedulable) for
+    `seconds`, as if waiting for a node autoscaler, then starts as any pod does.
+    The suite sets `at` to when the trace's load first rises, so that the fault lands in the same phase of the
+    trace under every policy (a policy that adds a pod in the quiet stretch before would otherwise spend the fault
+    there).
+    """
+
+    kind: FaultKind = "none"
+    at: float = 0.0
+    seconds: float = 60.0
+
+    @classmethod
+    def of(cls, kind: FaultKind, trace: Trace) -> Fault:
+        """The suite's faults, from the moment the trace's load first rises: a 60 s dropout; a pod that never
+        becomes ready; a 10-minute Pending."""
+        return cls(kind, trace.rise_s, 600.0 if kind == "unschedulable" else 60.0)
+
 
 class Fleet:
-    """The Deployment's pods. Scale-down deletes not-ready pods first, then the newest ready (ReplicaSet order);
-    a deleted ready pod drains: it leaves the endpoints, finishes what it holds, then goes away."""
+    """The Deployment's pods. Scale-down deletes Pending pods first, then not-ready ones, then the newest ready
+    (ReplicaSet order, newest first within each); a deleted ready pod drains: it leaves the endpoints, finishes
+    what it holds, then goes away. `held`: requests the router holds because no pod was ready."""
 
-    def __init__(self, model: ReplicaModel, replicas: int, seed: int, horizon: float) -> None:
+    def __init__(self, model: ReplicaModel, replicas: int, seed: int, horizon: float, fault: Fault | None = None
+                 ) -> None:
         self.model, self.seed, self.horizon = model, seed, horizon
+        self.fault = fault or Fault()
         self.pods: list[Replica] = []
         self.draining: list[Replica] = []
+        self.held: list[Request] = []
         self.spec = 0
         self._created = 0
+        self._faulted = False  # the fault's pod (never-ready, unschedulable) was created
         self.startups: list[float] = []  # creation → ready, of pods that became ready since the last take
         self.pod_seconds = 0.0
         self._last = 0.0
@@ -40,14 +81,17 @@ class Fleet:
         return self.model.startup_min_s + r * (self.model.startup_max_s - self.model.startup_min_s)
 
     def account(self, now: float) -> None:
-        """Integrate pods that hold a GPU (starting, ready, draining) up to `now`, never past the horizon."""
+        """Integrate pods that hold a GPU (starting, ready, draining) up to `now`, never past the horizon. A Pending
+        pod holds none: it is billed from when it is scheduled."""
         now = min(now, self.horizon)
         if now > self._last:
-            self.pod_seconds += (len(self.pods) + len(self.draining)) * (now - self._last)
+            for p in self.pods:
+                self.pod_seconds += max(0.0, now - max(self._last, p.pending_until))
+            self.pod_seconds += len(self.draining) * (now - self._last)
             self._last = now
 
     def scale(self, n: int, now: float, initial: bool = False) -> list[Replica]:
-        """Set spec replicas; returns pods created (their ready time is ready_at)."""
+        """Set spec replicas; returns pods created (their ready time is ready_at, inf if never)."""
         self.account(now)
         if n != self.spec and not initial:
             self.events.append((now, n - self.spec))
@@ -57,12 +101,21 @@ class Fleet:
             self._created += 1
             delay = 0.0 if initial else self._startup(len(self.pods) + 1)
             pod = Replica(f"pod-{self._created}", self.model, now, now + delay)
+            if (not initial and not self._faulted and self.fault.kind in ("never-ready", "unschedulable")
+                    and now >= self.fault.at):
+                self._faulted = True
+                if self.fault.kind == "never-ready":
+                    pod.ready_at = math.inf
+                else:
+                    pod.pending_until = now + self.fault.seconds
+                    pod.ready_at = pod.pending_until + delay
             pod.last = now
             self.pods.append(pod)
             created.append(pod)
         while len(self.pods) > n:
             starting = [p for p in self.pods if not p.ready]
-            victim = starting[-1] if starting else self.pods[-1]  # pods are kept in creation order
+            pending = [p for p in starting if p.pending_until > now]
+            victim = (pending or starting or self.pods)[-1]  # pods are kept in creation order
             self.pods.remove(victim)
             if victim.ready and victim.load:
                 victim.ready, victim.draining = False, True
@@ -72,9 +125,27 @@ class Fleet:
     def ready_pods(self) -> list[Replica]:
         return [p for p in self.pods if p.ready]
 
+    def metrics_up(self, now: float) -> bool:
+        """Whether the pods' /metrics answer at `now` (not during a metrics-dropout)."""
+        f = self.fault
+        return not (f.kind == "metrics-dropout" and f.at <= now < f.at + f.seconds)
+
     def scrape(self, now: float) -> list[Snapshot]:
-        """/metrics of every ready pod (a loading agent does not serve it yet)."""
-        return [p.snapshot(now) for p in self.pods if p.ready]
+        """/metrics of every ready pod (a loading agent does not serve it yet); nothing during a dropout."""
+        return [p.snapshot(now) for p in self.pods if p.ready] if self.metrics_up(now) else []
+
+    def loads(self, now: float) -> dict[str, float] | None:
+        """Waiting + running of each ready pod as its /metrics reads (the baselines' metric); None during a
+        dropout (the scrape failed)."""
+        return {p.name: float(p.load) for p in self.pods if p.ready} if self.metrics_up(now) else None
+
+    def pending(self, now: float) -> list[Replica]:
+        """Pods not scheduled yet (Pending, Unschedulable)."""
+        return [p for p in self.pods if p.pending_until > now]
+
+    def unschedulable(self, now: float, grace: float) -> int:
+        """Pods Pending as Unschedulable for at least `grace` seconds (as the operator's fleet.classify counts)."""
+        return sum(1 for p in self.pods if p.pending_until > now and now - p.created >= grace)
 
     def starting_ages(self, now: float) -> tuple[float, ...]:
         return tuple(now - p.created for p in self.pods if not p.ready)
@@ -109,10 +180,11 @@ class RunResult:
 ARRIVAL, POD, READY, TICK, SAMPLE = range(5)
 
 
-def simulate(trace: Trace, policy: Autoscaler, model: ReplicaModel, initial: int, mix: RequestMix,
-             seed: int = 1, sample_s: float = 15.0) -> RunResult:
-    """Run `trace` under `policy`; ticking stops at the trace's end, then the requests left are served to the end."""
-    fleet = Fleet(model, initial, seed, trace.duration_s)
+def simulate(trace: Trace, policy: Autoscaler, model: ReplicaModel, initial: int, mix: RequestMix | None = None,
+             seed: int = 1, sample_s: float = 15.0, fault: Fault | None = None) -> RunResult:
+    """Run `trace` under `policy` (`mix` None: the trace's own); ticking stops at the trace's end, then the requests
+    left are served to the end."""
+    fleet = Fleet(model, initial, seed, trace.duration_s, fault)
     for p in fleet.pods:
         p.ready = True
     queue: list[tuple[float, int, int, object]] = []
@@ -134,10 +206,12 @@ def simulate(trace: Trace, policy: Autoscaler, model: ReplicaModel, initial: int
     push(policy.interval, TICK, None)
     push(0.0, SAMPLE, None)
     requests: list[Request] = []
-    held: list[Request] = []  # arrivals while no pod is ready wait at the gateway
+    held = fleet.held  # arrivals while no pod is ready wait at the router
     done: list[Request] = []
     result = RunResult(policy.name, trace.name, requests, 0.0, fleet.events)
     end = trace.duration_s
+    ready: list[Replica] | None = None  # the ready pods (creation order), rebuilt once a pod turns ready or leaves
+    by_name: dict[str, Replica] = {}
     while queue:
         now, _, kind, payload = heapq.heappop(queue)
         if kind == ARRIVAL:
@@ -146,13 +220,15 @@ def simulate(trace: Trace, policy: Autoscaler, model: ReplicaModel, initial: int
             nxt = next(stream, None)
             if nxt is not None:
                 push(nxt.arrival, ARRIVAL, nxt)
-            ready = fleet.ready_pods()
+            if ready is None:
+                ready = fleet.ready_pods()
+                by_name = {p.name: p for p in ready}
             if not ready:
                 held.append(payload)
                 continue
             # kvfleet-router's own picking function: these traces carry no prompts, so it is its least-load path.
             choice = pick([ReplicaLoad(p.name, p.load) for p in ready], None, ROUTER_EPSILON)
-            pod = next(p for p in ready if p.name == choice.replica)
+            pod = by_name[choice.replica]
             schedule(pod, pod.add(payload, now))
         elif kind == POD:
             pod, version = cast(tuple[Replica, int], payload)
@@ -165,7 +241,7 @@ def simulate(trace: Trace, policy: Autoscaler, model: ReplicaModel, initial: int
         elif kind == READY:
             assert isinstance(payload, Replica)
             if payload in fleet.pods:
-                payload.ready = True
+                payload.ready, ready = True, None
                 fleet.startups.append(now - payload.created)
                 for req in held:
                     schedule(payload, payload.add(req, now))
@@ -175,8 +251,10 @@ def simulate(trace: Trace, policy: Autoscaler, model: ReplicaModel, initial: int
                 continue
             desired = policy.tick(now, fleet)
             if desired != fleet.spec:
+                ready = None
                 for pod in fleet.scale(desired, now):
-                    push(pod.ready_at, READY, pod)
+                    if math.isfinite(pod.ready_at):
+                        push(pod.ready_at, READY, pod)
             push(now + policy.interval, TICK, None)
         elif kind == SAMPLE and now < end:
             result.timeline.append((now, fleet.spec, len(fleet.ready_pods())))

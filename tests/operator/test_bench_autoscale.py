@@ -92,9 +92,10 @@ def test_kvfleet_never_flaps_on_the_step(step_scores: list[scoring.Score]) -> No
 
 
 def test_kvfleet_meets_the_slo_at_least_as_often_as_the_better_baseline(step_scores: list[scoring.Score]) -> None:
+    """As the bar judges it: the share of 1-minute windows whose TTFT p95 met the target."""
     kv = next(s for s in step_scores if s.policy == "kvfleet")
     best = scoring.better_baseline(step_scores)
-    assert kv.slo_share >= best.slo_share, (kv, best)
+    assert kv.window_share >= best.window_share, (kv, best)
 
 
 def test_window_quantile_path_sees_the_simulated_latency() -> None:
