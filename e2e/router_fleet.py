@@ -3,9 +3,12 @@ the readings the router tests compare (agents' own counters and gauges, the rout
 
 from __future__ import annotations
 
+import contextlib
 import json
 import subprocess
 import sys
+import uuid
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -101,3 +104,18 @@ class Fleet:
         assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
         summary: dict[str, Any] = json.loads(out.read_text())["summary"]
         return summary
+
+
+@contextlib.contextmanager
+def fleet_behind_router(cluster: LocalCluster, prefix: str, model_dir: Path, name: str) -> Iterator[Fleet]:
+    """A Fleet named `name` in a fresh namespace `prefix`-xxxxxx, its router started; everything deleted after."""
+    namespace = f"{prefix}-{uuid.uuid4().hex[:6]}"
+    cluster.kubectl("create", "namespace", namespace)
+    f = Fleet(cluster, namespace, model_dir, name=name)
+    try:
+        f.start_router()
+        yield f
+    finally:
+        cluster.kubectl("delete", "inferencedeployments,inferencerouters", "--all", "-n", namespace, "--wait=false",
+                        check=False)
+        cluster.kubectl("delete", "namespace", namespace, "--wait=false", check=False)

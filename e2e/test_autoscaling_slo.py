@@ -10,7 +10,6 @@ import math
 import subprocess
 import sys
 import time
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -20,7 +19,7 @@ import pytest
 from cluster import LocalCluster
 from kube_util import wait_for
 from operator_proc import Operator, get_cr
-from router_fleet import MODEL, ROUTER_PORT, Fleet, metrics
+from router_fleet import MODEL, ROUTER_PORT, Fleet, fleet_behind_router, metrics
 
 INTERVAL_S = 5
 DOWN_WINDOW_S = 30
@@ -30,16 +29,8 @@ LOAD = ["--max-tokens", "32", "--ignore-eos", "--prompt-len", "64", "--timeout",
 
 @pytest.fixture
 def slo_fleet(cluster: LocalCluster, operator: Operator, tiny_model: Path) -> Iterator[Fleet]:
-    namespace = f"e2e-slo-{uuid.uuid4().hex[:6]}"
-    cluster.kubectl("create", "namespace", namespace)
-    f = Fleet(cluster, namespace, tiny_model, name="slo")
-    try:
-        f.start_router()
+    with fleet_behind_router(cluster, "e2e-slo", tiny_model, "slo") as f:
         yield f
-    finally:
-        cluster.kubectl("delete", "inferencedeployments,inferencerouters", "--all", "-n", namespace, "--wait=false",
-                        check=False)
-        cluster.kubectl("delete", "namespace", namespace, "--wait=false", check=False)
 
 
 def replicas(f: Fleet) -> int:

@@ -4,7 +4,6 @@ replicas is held by the router, the operator reads the held demand and scales to
 from __future__ import annotations
 
 import threading
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -14,7 +13,7 @@ import pytest
 from cluster import LocalCluster
 from kube_util import pods, wait_for
 from operator_proc import SELECTOR, Operator, get_cr
-from router_fleet import MODEL, ROUTER_PORT, Fleet, metrics, total
+from router_fleet import MODEL, ROUTER_PORT, Fleet, fleet_behind_router, metrics, total
 
 INTERVAL_S = 5
 IDLE_S = 10
@@ -22,16 +21,8 @@ IDLE_S = 10
 
 @pytest.fixture
 def zero_fleet(cluster: LocalCluster, operator: Operator, tiny_model: Path) -> Iterator[Fleet]:
-    namespace = f"e2e-zero-{uuid.uuid4().hex[:6]}"
-    cluster.kubectl("create", "namespace", namespace)
-    f = Fleet(cluster, namespace, tiny_model, name="zero")
-    try:
-        f.start_router()
+    with fleet_behind_router(cluster, "e2e-zero", tiny_model, "zero") as f:
         yield f
-    finally:
-        cluster.kubectl("delete", "inferencedeployments,inferencerouters", "--all", "-n", namespace, "--wait=false",
-                        check=False)
-        cluster.kubectl("delete", "namespace", namespace, "--wait=false", check=False)
 
 
 def test_a_request_held_at_zero_replicas_is_served_once_the_operator_scales_up(zero_fleet: Fleet) -> None:
