@@ -301,3 +301,21 @@ def test_a_round_without_completions_leaves_the_demand_trend_in_tokens_per_secon
                   request_rate=3.3)
     d = decide(POLICY, stalled, state)
     assert decide(POLICY, obs(1000.0, now=NOW + 15), d.state).desired_replicas == 3
+
+
+def test_an_assumed_line_moves_only_where_the_queue_agrees() -> None:
+    # No fit yet: the line is a prior (LINE, unfitted). A rising round (arrivals 30% over completions: not steady,
+    # so it adds no sample and the prior stays) asks 1.3 × 3150 = 4095 tokens/s, 8.19 replicas' worth at 500:
+    # ceil(8.19 / 0.9) = 10. While each replica holds only the queue target (ratio 1.0, within the tolerance) the
+    # prior's vote is held: a move the fit would undo a few minutes later is a flap in the making.
+    prior = replace(LEARNED, capacity=Capacity(line=replace(LINE, fitted=False)))
+    rising = flow(3150.0, 4, arrived=3150.0 / TAU * 1.3)
+    at_target = decide(POLICY, obs(3150.0, queue_depth=4 * 4.0, flow=rising, flow_last=rising), prior)
+    assert (at_target.desired_replicas, at_target.limited_by) == (4, "tolerance")
+    assert "capacity not fitted yet: waiting for the queue (1.00 of target) to agree" in at_target.reason
+    # The queue over its tolerance agrees (12 each, 3.0 of target): the prior sizes the step.
+    agreed = decide(POLICY, obs(3150.0, queue_depth=4 * 12.0, flow=rising, flow_last=rising), prior)
+    assert agreed.desired_replicas == up_to(4095.0 / PER) == 10
+    # A fitted line needs no agreement: the same round on LINE scales up at the target depth too.
+    fitted = decide(POLICY, obs(3150.0, queue_depth=4 * 4.0, flow=rising, flow_last=rising), LEARNED)
+    assert fitted.desired_replicas == 10

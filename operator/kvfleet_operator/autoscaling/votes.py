@@ -57,6 +57,8 @@ def proposals(policy: AutoscalingPolicy, obs: Observation, stale: int, proj: Pro
     per = capacity.per_replica(cap, policy.queue_depth_per_replica, policy.tolerance) if dem is not None else None
     if dem is not None and per is not None and per > 0:
         _capacity_vote(policy, obs, stale, proj, dem, per, v, lead)
+        if cap.line is not None and not cap.line.fitted:
+            _confirm_by_queue(policy, obs, v)
         modelled = True
     else:
         _queue_vote(policy, obs, stale, proj, v)
@@ -111,6 +113,21 @@ def _capacity_vote(policy: AutoscalingPolicy, obs: Observation, stale: int, proj
     v.proposals.append(p)
     v.held |= within and n != current
     v.votes.append((current if within else _up(obs, stale, n) if n > effective else n, p))
+
+
+def _confirm_by_queue(policy: AutoscalingPolicy, obs: Observation, v: Votes) -> None:
+    """An assumed line (no fit yet) is a prior: its vote moves only the way the queue itself points past the
+    tolerance (a move the fit would undo a few minutes later is a flap in the making)."""
+    target, tol = policy.queue_depth_per_replica, policy.tolerance
+    if target is None or obs.queue_depth is None or obs.reporting_replicas == 0 or not v.votes:
+        return
+    ratio = obs.queue_depth / obs.reporting_replicas / target
+    n, p = v.votes[-1]
+    current = obs.current_replicas
+    if (n > current and ratio <= 1 + tol) or (n < current and ratio >= 1 - tol):
+        v.votes[-1] = (current, p)
+        v.held = True
+        v.notes.append(f"capacity not fitted yet: waiting for the queue ({ratio:.2f} of target) to agree")
 
 
 def _queue_vote(policy: AutoscalingPolicy, obs: Observation, stale: int, proj: Projection | None,
