@@ -133,7 +133,10 @@ def test_a_stepped_load_scales_up_lowers_ttft_and_scales_down_after_the_window(s
     # The load is gone: the scale-down waits out the window, then holds (no flap).
     wait_for("a scale-down", lambda: replicas(f) < scaled, timeout=DOWN_WINDOW_S + 8 * INTERVAL_S, interval=0.5)
     down_after = time.monotonic() - stopped
-    assert down_after >= DOWN_WINDOW_S - 2 * INTERVAL_S, down_after
+    # The window holds the highest recommendation of its span, the scale-up's included: no scale-down sooner.
+    # (It may come before the load's end plus a window: the load over fewer replicas can fit while it runs.)
+    since_up = time.monotonic() - launched - up_at
+    assert since_up >= DOWN_WINDOW_S - INTERVAL_S, since_up
     downs = wait_for("a ScaledDown event", lambda: events(f, "ScaledDown"), timeout=10)
     assert "demand" in downs[0]["message"], downs
     low = replicas(f)
