@@ -163,9 +163,7 @@ def _model(policy: AutoscalingPolicy, obs: Observation, cap: Capacity,
     met = met and not breached
     before = cap.ceiling
     cap = capacity.correct(cap, dem.served_per_replica, breached, met, obs.now)
-    if cap.ceiling == before or not breached:
-        notes = [n for n in notes if not breached or cap.ceiling != before]
-    return cap, notes
+    return cap, notes if cap.ceiling != before else []  # notes only where the breach lowered the capacity
 
 
 def _load_and_rate(policy: AutoscalingPolicy, obs: Observation, cap: Capacity,
