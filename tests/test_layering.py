@@ -32,7 +32,7 @@ FLOORS: dict[str, list[list[str]]] = {
         ["kvfleet_operator.rules", "kvfleet_operator.core_types", "kvfleet_operator.models", "kvfleet_operator.status",
          "kvfleet_operator.crd", "kvfleet_operator.router_rules", "kvfleet_operator.router_models",
          "kvfleet_operator.router_tier_rules", "kvfleet_operator.router_tier_models", "kvfleet_operator.model_sources",
-         "kvfleet_operator.speculative_models"],
+         "kvfleet_operator.speculative_models", "kvfleet_operator.quantization_models"],
         ["kvfleet_operator.builders", "kvfleet_operator.ownership", "kvfleet_operator.kube",
          "kvfleet_operator.metrics", "kvfleet_operator.config", "kvfleet_operator.peering",
          "kvfleet_operator.router_builders"],

@@ -100,6 +100,11 @@ def agent_args(spec: InferenceDeploymentSpec, *, args_file: bool = False) -> lis
         args += ["--max-model-len", str(rt.max_model_len)]
     if rt.max_num_batched_tokens is not None:
         args += ["--max-num-batched-tokens", str(rt.max_num_batched_tokens)]
+    # Both only when they say something (auto is the agent's default), so images without the flags still start.
+    if rt.quantization is not None:
+        args += ["--quantization", rt.quantization]
+    if rt.kv_cache_dtype is not None and rt.kv_cache_dtype != "auto":
+        args += ["--kv-cache-dtype", rt.kv_cache_dtype]
     if not rt.enable_prefix_caching:
         args.append("--no-prefix-caching")  # the agent has only the negative flags; on is its default
     if not rt.enable_chunked_prefill:

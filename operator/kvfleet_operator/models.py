@@ -17,6 +17,14 @@ from kvfleet_operator.core_types import (
     Toleration,
 )
 from kvfleet_operator.model_sources import ModelSource, clean_path
+from kvfleet_operator.quantization_models import (
+    FP8_DTYPE_RULE,
+    KV_CACHE_DTYPE,
+    QUANTIZATION,
+    KvCacheDtype,
+    Quantization,
+    check_quantization,
+)
 from kvfleet_operator.rules import (
     API_KEY_ENV,
     BLOCK_SIZE_RULE,
@@ -91,10 +99,18 @@ class CompileCacheSpec(SpecModel):
 class RuntimeSpec(SpecModel):
     """Engine settings, rendered as kvfleet-agent serve flags."""
 
+    model_config = ConfigDict(json_schema_extra=cel(FP8_DTYPE_RULE))
     tensor_parallel_size: int = Field(default=1, ge=1, le=8)
     """GPUs one model replica is sharded over (tensor parallelism)."""
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     """Weight and activation dtype (auto: the checkpoint's, float32 on CPU)."""
+    quantization: Quantization | None = Field(default=None, json_schema_extra=QUANTIZATION.schema())
+    """Weight quantization (--quantization, vLLM's names): int8 or int4 quantize an fp checkpoint as it loads; gptq,
+    awq, compressed-tensors and fp8 name a pre-quantized checkpoint's format (optional: its config.json says it).
+    Default: the checkpoint decides. fp8 needs dtype bfloat16, float16 or auto."""
+    kv_cache_dtype: KvCacheDtype | None = Field(default=None, json_schema_extra=KV_CACHE_DTYPE.schema())
+    """KV cache element type (--kv-cache-dtype; default: auto, the model's dtype). This agent image runs auto only:
+    int8 and fp8 are refused."""
     max_model_len: int | None = Field(default=None, ge=1, le=1048576)
     """Longest prompt plus output in tokens (default: the checkpoint's)."""
     max_num_seqs: int = Field(default=128, ge=1, le=4096)
@@ -134,6 +150,11 @@ class RuntimeSpec(SpecModel):
     def _block_size(cls, v: int) -> int:
         check(v in BLOCK_SIZES, BLOCK_SIZE_RULE)
         return v
+
+    @model_validator(mode="after")
+    def _quantization(self) -> RuntimeSpec:
+        check_quantization(self.quantization, self.kv_cache_dtype, self.dtype)
+        return self
 
     @field_validator("extra_args")
     @classmethod

@@ -16,9 +16,12 @@ class Rule:
     rule: str
     message: str
     field_path: str | None = None  # reported path, relative to the object the rule sits on
+    message_expression: str | None = None  # CEL giving the message (e.g. naming the value); `message` if it fails
 
     def cel(self) -> dict[str, str]:
         out = {"rule": self.rule, "message": self.message}
+        if self.message_expression:
+            out["messageExpression"] = self.message_expression
         if self.field_path:
             out["fieldPath"] = self.field_path
         return out
