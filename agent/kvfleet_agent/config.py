@@ -11,6 +11,9 @@ from typing import Any
 from kvfleet_agent.spec_config import SpeculativeConfig
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+# vLLM's --quantization names: int8 and int4 quantize an fp checkpoint on load; the others name the format of a
+# checkpoint quantized already (config.json's quantization_config says so, the flag may confirm it).
+QUANTIZATIONS = ("int8", "int4", "gptq", "awq", "compressed-tensors", "fp8")
 DEFAULT_TOKEN_BUDGET = {"cpu": 1024, "cuda": 8192}
 
 
@@ -42,6 +45,7 @@ class EngineConfig:
     enforce_eager: bool = False  # as vLLM: never capture CUDA graphs (decode steps launch every kernel each time)
     # vLLM's --speculative-config (JSON text, a mapping, or parsed); None: no speculation.
     speculative_config: SpeculativeConfig | str | Mapping[str, Any] | None = None
+    quantization: str | None = None  # one of QUANTIZATIONS; None: as the checkpoint is (quantized or not)
 
     def __post_init__(self) -> None:
         def bad(name: str, rule: str) -> ValueError:
@@ -67,6 +71,8 @@ class EngineConfig:
             raise bad("kv_cache_memory_bytes", "give a positive number of bytes, or leave it unset")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise bad("gpu_memory_utilization", "use a fraction in (0, 1]")
+        if self.quantization is not None and self.quantization not in QUANTIZATIONS:
+            raise bad("quantization", f"choose one of {', '.join(QUANTIZATIONS)}, or leave it unset")
         if not isinstance(self.enforce_eager, bool):
             raise bad("enforce_eager", "use true or false")
         if self.speculative_config is not None and not isinstance(self.speculative_config, SpeculativeConfig):

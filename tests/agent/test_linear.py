@@ -53,22 +53,24 @@ def test_loaded_fp32_model_uses_packed_weights_and_bf16_does_not(tiny_checkpoint
     assert all(getattr(m, "packed", None) is None for m in model16.modules() if hasattr(m, "pack_weights"))
 
 
-def _rank_model(path: str, rank: int, size: int) -> torch.nn.Module:
+def _rank_model(path: str, rank: int, size: int) -> tuple[torch.nn.Module, dict[str, torch.Tensor]]:
+    """A rank's model, prepacked, and its parameters as loaded (packing leaves the linears' weights on meta)."""
     cfg = ModelConfig.from_dir(path)
     model = LlamaForCausalLM(cfg, 64, torch.float32, TPGroup(rank, size))
     load_weights(model, path)
+    loaded = {name: p.detach().clone() for name, p in model.named_parameters()}
     for m in model.modules():
         if hasattr(m, "pack_weights"):
             m.pack_weights()
-    return model
+    return model, loaded
 
 
 def test_rank_shards_reassemble_the_full_weights_and_each_is_prepacked(tiny_checkpoint: Callable[..., str]) -> None:
     """Column shards stack along outputs (per packed part), row shards along inputs, vocab shards along rows."""
     path = tiny_checkpoint("qwen2", vocab_size=771)  # q/k/v biases, tied embeddings, an odd vocabulary
-    full = dict(_rank_model(path, 0, 1).named_parameters())
-    ranks = [_rank_model(path, r, 2) for r in range(2)]
-    shards = [dict(m.named_parameters()) for m in ranks]
+    full = _rank_model(path, 0, 1)[1]
+    built = [_rank_model(path, r, 2) for r in range(2)]
+    ranks, shards = [m for m, _ in built], [loaded for _, loaded in built]
     assert shards[0].keys() == full.keys()
     for name, want in full.items():
         parts = [s[name] for s in shards]
@@ -86,9 +88,10 @@ def test_rank_shards_reassemble_the_full_weights_and_each_is_prepacked(tiny_chec
             got = parts[0]
         assert torch.equal(got, want), name
     x = torch.randn(5, 256)  # wide enough for every layer's inputs; a column slice of it is strided, as in the model
-    for m in ranks[1].modules():
+    for name, m in ranks[1].named_modules():
         if isinstance(m, ColumnParallelLinear | MergedColumnParallelLinear | RowParallelLinear):
-            assert m.packed is not None
-            y = linear(x[:, :m.weight.shape[1]], m.weight, m.bias, m.packed)
-            torch.testing.assert_close(y, torch.nn.functional.linear(x[:, :m.weight.shape[1]], m.weight, m.bias),
+            assert m.packed is not None and m.weight.is_meta, "one copy of the weight: the packed one"
+            w = shards[1][f"{name}.weight"]
+            y = linear(x[:, :w.shape[1]], m.weight, m.bias, m.packed)
+            torch.testing.assert_close(y, torch.nn.functional.linear(x[:, :w.shape[1]], w, m.bias),
                                        atol=1e-4, rtol=1e-5)

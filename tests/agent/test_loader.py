@@ -40,7 +40,12 @@ def load_model(d: Path, dtype: str = "float32") -> LlamaForCausalLM:
 
 
 def params_of(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    return {n: p.detach() for n, p in model.named_parameters()}
+    """Every parameter's values; a prepacked linear's weight (left on meta: one copy) read back from its packing."""
+    out = {}
+    for n, p in model.named_parameters():
+        module = model.get_submodule(n.rpartition(".")[0])
+        out[n] = module.packed.to_dense() if p.is_meta else p.detach()
+    return out
 
 
 # ---------------------------------------------------------------------------------------------

@@ -20,7 +20,7 @@ from typing import NoReturn
 import numpy as np
 import torch
 
-from kvfleet_agent.config import EngineConfig
+from kvfleet_agent.config import QUANTIZATIONS, EngineConfig
 from kvfleet_agent.core.scheduler_output import ScheduledChunk
 from kvfleet_agent.models.config import ModelConfig
 from kvfleet_agent.sampling_params import SamplingParams
@@ -119,13 +119,13 @@ def model_len_limit(cfg: ModelConfig) -> int:
 
 
 def build_runner(model: str, dtype: str, device: str, max_num_seqs: int, max_model_len: int,
-                 blocks_per_seq: int, enforce_eager: bool) -> ModelRunner:
+                 blocks_per_seq: int, enforce_eager: bool, quantization: str | None = None) -> ModelRunner:
     """A runner as LLMEngine builds one, but with a pool of exactly max_num_seqs full sequences.
 
     Same order as the engine: allocate the pool, warm up, then capture the decode graphs (they read the pool).
     """
     config = EngineConfig(model=model, dtype=dtype, device=device, max_model_len=max_model_len,
-                          max_num_seqs=max_num_seqs, enforce_eager=enforce_eager)
+                          max_num_seqs=max_num_seqs, enforce_eager=enforce_eager, quantization=quantization)
     config.resolve(rank_device(config, 0).type, max_model_len)
     runner = ModelRunner(config, ModelConfig.from_dir(model), max_model_len)
     runner.allocate_kv_cache(max_num_seqs * blocks_per_seq)
@@ -297,6 +297,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default="bfloat16")
     p.add_argument("--device", default="auto", help="auto, cpu or cuda[:N]")
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs (every kernel launched per step)")
+    p.add_argument("--quantization", choices=list(QUANTIZATIONS), default=None,
+                   help="as the engine's flag: int8/int4 quantize on load; the roofline counts the bytes held")
     p.add_argument("--steps", type=int, default=64, help="timed decode steps per batch size")
     p.add_argument("--warmup", type=int, default=8, help="untimed decode steps before them")
     p.add_argument("--seed", type=int, default=0, help="seed of the random prompt tokens")
@@ -335,7 +337,8 @@ def run(a: argparse.Namespace, argv: Sequence[str], progress: Progress = stderr_
     progress(f"loading {a.model} ({a.dtype}) on {device}, pool for {max_batch} x {max_model_len} tokens")
     start = time.perf_counter()
     blocks_per_seq = -(-max_model_len // EngineConfig(model=a.model).block_size)  # the engine's default
-    runner = build_runner(a.model, a.dtype, a.device, max_batch, max_model_len, blocks_per_seq, a.enforce_eager)
+    runner = build_runner(a.model, a.dtype, a.device, max_batch, max_model_len, blocks_per_seq, a.enforce_eager,
+                          a.quantization)
     progress(f"runner ready in {time.perf_counter() - start:.1f} s; CUDA graphs captured: "
              f"{runner.decode_graphs.captured}")
     tables = block_tables(max_batch, blocks_per_seq)
@@ -358,8 +361,8 @@ def run(a: argparse.Namespace, argv: Sequence[str], progress: Progress = stderr_
                         ideal / step, graphs))
         progress(f"batch {b}: {step * 1e3:.2f} ms a step, {b / step:.1f} tokens/s")
     return {"machine": machine(device), "command": command_line(argv), "model": a.model,
-            "dtype": str(runner.dtype).removeprefix("torch."), "copy_bandwidth_gbs": bandwidth / 1e9,
-            "rows": [asdict(r) for r in rows]}
+            "dtype": str(runner.dtype).removeprefix("torch."), "quantization": a.quantization,
+            "copy_bandwidth_gbs": bandwidth / 1e9, "rows": [asdict(r) for r in rows]}
 
 
 def command_line(argv: Sequence[str]) -> str:
@@ -375,7 +378,8 @@ def format_report(report: dict[str, object]) -> str:
     assert isinstance(rows, list)
     lines = [f"machine: {m['device']}; torch {m['torch']}, triton {m['triton']}, python {m['python']}",
              f"command: {report['command']}",
-             f"dtype: {report['dtype']}; copy bandwidth {report['copy_bandwidth_gbs']:.1f} GB/s (read + write); "
+             f"dtype: {report['dtype']}, quantization {report.get('quantization') or 'none'}; "
+             f"copy bandwidth {report['copy_bandwidth_gbs']:.1f} GB/s (read + write); "
              "roofline: (weights + K/V of batch x context tokens) / copy bandwidth",
              f"{'batch':>6} {'context':>8} {'step ms':>9} {'tokens/s':>10} {'GB/step':>8} {'roofline':>9} "
              f"{'graphs':>7}"]

@@ -9,17 +9,26 @@ rank's rows or columns from the checkpoint. With a group of one these are plain 
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kvfleet_agent.layers.quant.matmul import QuantMatmul
+from kvfleet_agent.layers.quant.onload import quantize
+from kvfleet_agent.layers.quant.weight import QuantWeight, cat_rows
 from kvfleet_agent.layers.tp_group import TPGroup
 from kvfleet_agent.layers.weights import CheckpointTensor
 
-WeightLoader = Callable[[nn.Parameter, CheckpointTensor, str | None], None]
-SINGLE = TPGroup()  # the default group: one rank, collectives are no-ops
+Loaded = CheckpointTensor | QuantWeight  # a dense checkpoint tensor, or a pre-quantized checkpoint's weight
+# Norms and embeddings take dense tensors only; linears take a quantized weight too.
+WeightLoader = (Callable[[nn.Parameter, CheckpointTensor, str | None], None]
+                | Callable[[nn.Parameter, Loaded, str | None], None])
+ON_LOAD = ("int8", "int4")  # quantized here from an fp checkpoint; other methods arrive quantized
+SINGLE = TPGroup()
+log = logging.getLogger(__name__)  # the default group: one rank, collectives are no-ops
 
 
 # On x86 CPUs oneDNN's fp32 inner product on a prepacked weight runs 2-2.5x faster than the MKL sgemm
@@ -62,27 +71,108 @@ def split(size: int, tp: TPGroup, what: str) -> int:
 
 
 class _Linear(nn.Module):
-    def __init__(self, in_features: int, out_features: int, bias: bool, tp: TPGroup) -> None:
+    """The shared machinery: a dense weight, or (quantized) the rows of each packed part until they are joined.
+
+    `quant` is the quantization method, or None. A quantized layer's `weight` stays on the meta device (its
+    shape checks the checkpoint, it holds no memory); the parts loaded for this rank are joined, moved and
+    prepared for their kernel by `pack_weights`, after which `qmm` computes the matmul.
+    """
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, tp: TPGroup,
+                 quant: str | None = None) -> None:
         super().__init__()
         self.tp = tp
-        self.weight = attach_loader(nn.Parameter(torch.empty(out_features, in_features), requires_grad=False),
-                                    self.load)
+        self.quant = quant
+        self.home = torch.empty(0).device  # the device the model is being built on (a torch.device context)
+        weight = torch.empty(out_features, in_features, device="meta" if quant else None)
+        self.weight = attach_loader(nn.Parameter(weight, requires_grad=False), self.load)
         self.bias = (attach_loader(nn.Parameter(torch.empty(out_features), requires_grad=False), self.load)
                      if bias else None)
         self.packed: torch.Tensor | None = None
+        self.parts: dict[int, torch.Tensor | QuantWeight] = {}  # first row → this rank's rows of a part
+        self.qmm: QuantMatmul | None = None
 
     def pack_weights(self) -> None:
-        """Prepack the loaded weight for the CPU fast path (call again after reloading weights)."""
-        self.packed = pack(self.weight) if can_pack(self.weight) else None
+        """Finish loading, once: join a quantized layer's parts, or prepack a dense weight for the CPU fast path."""
+        if self.parts:
+            self._join_parts()
+        if can_pack(self.weight):
+            self.packed = pack(self.weight)
+            # The blocked copy is all the matmul reads: the weight keeps its shape on the meta device rather than
+            # a second dense copy (which doubled the weights' memory on CPU).
+            self.weight = nn.Parameter(torch.empty_like(self.weight, device="meta"), requires_grad=False)
 
-    def load(self, param: nn.Parameter, loaded: CheckpointTensor, shard: str | None = None) -> None:
+    def _join_parts(self) -> None:
+        parts = [self.parts[row] for row in sorted(self.parts)]
+        self.parts = {}
+        dtype = self.weight.dtype
+        if all(isinstance(p, QuantWeight) for p in parts):
+            qmm = QuantMatmul(cat_rows([p for p in parts if isinstance(p, QuantWeight)]).to(self.home), dtype)
+            if qmm.dense is None:
+                self.qmm = qmm
+                return
+            dense = qmm.dense  # no kernel for this weight here: it runs dequantized
+        else:  # some part was left unquantized by the checkpoint: the whole packed weight runs dense
+            dense = torch.cat([p.dequantize(dtype) if isinstance(p, QuantWeight) else p.to(dtype) for p in parts])
+        self.weight = nn.Parameter(dense.to(self.home, dtype), requires_grad=False)
+
+    def _source(self, param: nn.Parameter, loaded: Loaded) -> Loaded:
+        """What this layer shards: on-load quantization quantizes the whole tensor first, so every rank
+        cuts its share of one grid (per-channel scales span the full row) and TP=N equals TP=1."""
+        if self.quant in ON_LOAD and param is self.weight and isinstance(loaded, CheckpointTensor):
+            return quantize(loaded.read(), str(self.quant))
+        return loaded
+
+    def _put(self, param: nn.Parameter, row: int, src: torch.Tensor | QuantWeight, name: str) -> None:
+        """Place this rank's rows of (part of) the weight, starting at output row `row`."""
+        rows = int(src.shape[0])
+        if param is self.weight and self.quant:
+            check_shape(src, (rows, int(param.shape[1])), name)
+            self.parts[row] = src
+            return
+        if isinstance(src, QuantWeight):
+            raise ValueError(f"{name}: the checkpoint holds a quantized weight here, but no quantization is "
+                             "configured for this layer")
+        _copy(param.data.narrow(0, row, rows), src, name)
+
+    def load(self, param: nn.Parameter, loaded: Loaded, shard: str | None = None) -> None:
         raise NotImplementedError
 
+    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """x·Wᵀ + b through the quantized kernel, the prepacked weight or F.linear."""
+        if self.qmm is None:
+            return linear(x, self.weight, bias, self.packed)
+        y = self.qmm(x)
+        return y if bias is None else y.add_(bias)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias, self.packed)
+        return self.matmul(x, self.bias)
 
 
-def check_shape(loaded: torch.Tensor | CheckpointTensor, expected: tuple[int, ...], name: str) -> None:
+def log_quantized(model: nn.Module, method: str, rank: int) -> None:
+    """One start-up line: which kernel runs the quantized linears, and their bytes against the dense weights'."""
+    paths: dict[str, int] = {}
+    held = dense = 0
+    for m in model.modules():
+        if isinstance(m, _Linear) and m.quant:
+            path = m.qmm.path if m.qmm is not None else "dense (no kernel here, or left unquantized)"
+            paths[path] = paths.get(path, 0) + 1
+            held += m.qmm.nbytes if m.qmm is not None else m.weight.numel() * m.weight.element_size()
+            dense += m.weight.numel() * m.weight.element_size()
+    kernels = ", ".join(f"{n} on {p}" for p, n in sorted(paths.items()))
+    log.info("rank %d: quantization %s: %s linears (%s); their weights hold %.1f MB, %.2fx of %.1f MB dense",
+             rank, method, sum(paths.values()), kernels, held / 1e6, held / max(dense, 1), dense / 1e6)
+
+
+def weight_bytes(model: nn.Module) -> int:
+    """Bytes a model's weights hold on their device: dense parameters and prepared quantized weights."""
+    dense = sum(p.numel() * p.element_size() for p in model.parameters() if not p.is_meta)
+    linears = [m for m in model.modules() if isinstance(m, _Linear)]
+    return dense + sum(m.qmm.nbytes for m in linears if m.qmm is not None) + \
+        sum(m.packed.numel() * m.packed.element_size() for m in linears if m.packed is not None)
+
+
+def check_shape(loaded: torch.Tensor | Loaded, expected: tuple[int, ...], name: str) -> None:
     """Fail with both shapes named when a checkpoint tensor does not fit its parameter."""
     if tuple(loaded.shape) != expected:
         raise ValueError(f"checkpoint tensor for {name} has shape {tuple(loaded.shape)}, "
@@ -104,62 +194,68 @@ def _full(param: nn.Parameter, dim: int, size: int) -> tuple[int, ...]:
 class ColumnParallelLinear(_Linear):
     """y = xAᵀ with A's rows (outputs) split across ranks; no communication."""
 
-    def __init__(self, in_features: int, out_features: int, bias: bool = False, tp: TPGroup = SINGLE) -> None:
-        super().__init__(in_features, split(out_features, tp, "out_features"), bias, tp)
+    def __init__(self, in_features: int, out_features: int, bias: bool = False, tp: TPGroup = SINGLE,
+                 quant: str | None = None) -> None:
+        super().__init__(in_features, split(out_features, tp, "out_features"), bias, tp, quant)
 
-    def load(self, param: nn.Parameter, loaded: CheckpointTensor, shard: str | None = None) -> None:
+    def load(self, param: nn.Parameter, loaded: Loaded, shard: str | None = None) -> None:
+        loaded = self._source(param, loaded)
         n = param.shape[0]
         # Check the whole tensor before cutting this rank's share, or a too-large one would fit.
         check_shape(loaded, _full(param, 0, n * self.tp.size), "a column-parallel layer")
-        _copy(param.data, loaded.narrow(0, self.tp.rank * n, n), "a column-parallel layer")
+        self._put(param, 0, loaded.narrow(0, self.tp.rank * n, n), "a column-parallel layer")
 
 
 class MergedColumnParallelLinear(_Linear):
     """Several column-parallel linears packed into one matmul (gate+up, or q+k+v)."""
 
     def __init__(self, in_features: int, out_sizes: Sequence[int], bias: bool = False, tp: TPGroup = SINGLE,
-                 shard_names: Sequence[str] | None = None) -> None:
+                 shard_names: Sequence[str] | None = None, quant: str | None = None) -> None:
         self.shard_names = list(shard_names) if shard_names else [str(i) for i in range(len(out_sizes))]
         # Each rank holds its slice of every packed part: [q_r; k_r; v_r], not a slice of [q; k; v].
         self.out_sizes = [split(s, tp, f"the {name} part's size") for s, name in zip(out_sizes, self.shard_names,
                                                                                   strict=True)]
-        super().__init__(in_features, sum(self.out_sizes), bias, tp)
+        super().__init__(in_features, sum(self.out_sizes), bias, tp, quant)
 
-    def load(self, param: nn.Parameter, loaded: CheckpointTensor, shard: str | None = None) -> None:
+    def load(self, param: nn.Parameter, loaded: Loaded, shard: str | None = None) -> None:
+        loaded = self._source(param, loaded)
         idx = self.shard_names.index(str(shard))
         n = self.out_sizes[idx]
         check_shape(loaded, _full(param, 0, n * self.tp.size), f"packed shard {shard}")
-        dst = param.data.narrow(0, sum(self.out_sizes[:idx]), n)
-        _copy(dst, loaded.narrow(0, self.tp.rank * n, n), f"packed shard {shard}")
+        self._put(param, sum(self.out_sizes[:idx]), loaded.narrow(0, self.tp.rank * n, n), f"packed shard {shard}")
 
 
 class QKVParallelLinear(MergedColumnParallelLinear):
     """Query, key and value projections in one matmul; heads split across ranks."""
 
     def __init__(self, hidden: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool = False,
-                 tp: TPGroup = SINGLE) -> None:
+                 tp: TPGroup = SINGLE, quant: str | None = None) -> None:
         # Whole heads per rank: split the head counts, not the rows, so a head is never cut in two.
         split(num_heads, tp, "num_attention_heads")
         split(num_kv_heads, tp, "num_key_value_heads")
         super().__init__(hidden, [num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim],
-                         bias, tp, shard_names=("q", "k", "v"))
+                         bias, tp, shard_names=("q", "k", "v"), quant=quant)
 
 
 class RowParallelLinear(_Linear):
     """y = xAᵀ with A's columns (inputs) split across ranks; the partial sums are all-reduced."""
 
-    def __init__(self, in_features: int, out_features: int, bias: bool = False, tp: TPGroup = SINGLE) -> None:
-        super().__init__(split(in_features, tp, "in_features"), out_features, bias, tp)
+    def __init__(self, in_features: int, out_features: int, bias: bool = False, tp: TPGroup = SINGLE,
+                 quant: str | None = None) -> None:
+        super().__init__(split(in_features, tp, "in_features"), out_features, bias, tp, quant)
 
-    def load(self, param: nn.Parameter, loaded: CheckpointTensor, shard: str | None = None) -> None:
+    def load(self, param: nn.Parameter, loaded: Loaded, shard: str | None = None) -> None:
+        loaded = self._source(param, loaded)
         if param.dim() == 1:  # the bias is added once (by rank 0), not once per rank's partial sum
             check_shape(loaded, tuple(param.shape), "a row-parallel bias")
+            if isinstance(loaded, QuantWeight):
+                raise ValueError("a row-parallel bias arrived quantized: the checkpoint's layout is not understood")
             param.data.copy_(loaded.read())
             return
         n = param.shape[1]
         check_shape(loaded, _full(param, 1, n * self.tp.size), "a row-parallel weight")
-        _copy(param.data, loaded.narrow(1, self.tp.rank * n, n), "a row-parallel weight")
+        self._put(param, 0, loaded.narrow(1, self.tp.rank * n, n), "a row-parallel weight")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = linear(x, self.weight, self.bias if self.tp.rank == 0 else None, self.packed)
+        y = self.matmul(x, self.bias if self.tp.rank == 0 else None)
         return self.tp.all_reduce(y)

@@ -8,6 +8,7 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
+from kvfleet_agent.layers.quant.spec import spec_from_config
 from kvfleet_agent.models.config_schema import refuse_unsupported, rope_settings, sliding_window
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
@@ -53,6 +54,7 @@ class ModelConfig:
     sliding_window: int | None  # the smallest window of any sliding-attention layer
     torch_dtype: str
     eos_token_ids: tuple[int, ...]
+    quantization_config: dict[str, Any] | None = None  # config.json's, checked when read (layers/quant/spec.py)
 
     def check_tensor_parallel(self, size: int, model: str) -> None:
         """Fail unless every split dimension divides evenly into `size` ranks, naming the field and the sizes that work.
@@ -81,6 +83,11 @@ class ModelConfig:
             raise ValueError(f"{path}: architectures={archs or c.get('model_type')!r} is not supported; "
                              f"kvfleet runs {', '.join(SUPPORTED_ARCHITECTURES)}")
         refuse_unsupported(c, path)
+        try:  # an unreadable quantization_config fails here, before any weight is read
+            if c.get("quantization_config"):
+                spec_from_config(c, None)
+        except ValueError as e:
+            raise ValueError(f"{path}: {e}") from None
 
         def need(key: str) -> Any:
             if key not in c:
@@ -124,4 +131,5 @@ class ModelConfig:
             sliding_window=sliding_window(c, arch, layers, path),
             torch_dtype=str(c.get("torch_dtype") or c.get("dtype") or "float32"),
             eos_token_ids=tuple(eos if isinstance(eos, list) else [] if eos is None else [eos]),
+            quantization_config=c.get("quantization_config") or None,
         )

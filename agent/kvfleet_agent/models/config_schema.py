@@ -26,11 +26,6 @@ _DEFAULT_MAX_WINDOW_LAYERS = 28
 
 def refuse_unsupported(c: dict[str, Any], path: str) -> None:
     """Raise on keys that change the output in ways kvfleet does not compute."""
-    quant = c.get("quantization_config")
-    if quant:
-        method = quant.get("quant_method", "?") if isinstance(quant, dict) else "?"
-        raise ValueError(f"{path}: quantization_config (quant_method={method!r}) is not supported yet: "
-                         "serve an unquantized checkpoint (bfloat16, float16 or float32 weights)")
     act = c.get("hidden_act", "silu")
     if act != "silu":
         raise ValueError(f"{path}: hidden_act={act!r} is not supported: kvfleet's MLP is SwiGLU with silu")

@@ -20,15 +20,15 @@ from kvfleet_agent.models.config import ModelConfig
 class LlamaAttention(nn.Module):
     """Self-attention: packed QKV, rotary, paged attention, output projection."""
 
-    def __init__(self, cfg: ModelConfig, rope: RotaryEmbedding, tp: TPGroup) -> None:
+    def __init__(self, cfg: ModelConfig, rope: RotaryEmbedding, tp: TPGroup, quant: str | None = None) -> None:
         super().__init__()
         self.num_heads = cfg.num_heads // tp.size
         self.num_kv_heads = cfg.num_kv_heads // tp.size
         self.head_dim = cfg.head_dim
         self.q_size, self.kv_size = self.num_heads * cfg.head_dim, self.num_kv_heads * cfg.head_dim
         self.qkv_proj = QKVParallelLinear(cfg.hidden_size, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads,
-                                          cfg.qkv_bias, tp)
-        self.o_proj = RowParallelLinear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, cfg.o_bias, tp)
+                                          cfg.qkv_bias, tp, quant)
+        self.o_proj = RowParallelLinear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, cfg.o_bias, tp, quant)
         self.rope = rope
         # Qwen3: each query and key head is RMS-normalised (one weight over head_dim) before rotary.
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
@@ -53,12 +53,12 @@ class LlamaAttention(nn.Module):
 class LlamaMLP(nn.Module):
     """SwiGLU feed-forward with gate and up projections packed into one matmul."""
 
-    def __init__(self, cfg: ModelConfig, tp: TPGroup) -> None:
+    def __init__(self, cfg: ModelConfig, tp: TPGroup, quant: str | None = None) -> None:
         super().__init__()
         n = cfg.intermediate_size
         self.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size, [n, n], cfg.mlp_bias, tp,
-                                                       shard_names=("gate", "up"))
-        self.down_proj = RowParallelLinear(n, cfg.hidden_size, cfg.mlp_bias, tp)
+                                                       shard_names=("gate", "up"), quant=quant)
+        self.down_proj = RowParallelLinear(n, cfg.hidden_size, cfg.mlp_bias, tp, quant)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
@@ -69,10 +69,10 @@ class LlamaMLP(nn.Module):
 class LlamaDecoderLayer(nn.Module):
     """Pre-norm attention and MLP blocks with the residual carried alongside."""
 
-    def __init__(self, cfg: ModelConfig, rope: RotaryEmbedding, tp: TPGroup) -> None:
+    def __init__(self, cfg: ModelConfig, rope: RotaryEmbedding, tp: TPGroup, quant: str | None = None) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(cfg, rope, tp)
-        self.mlp = LlamaMLP(cfg, tp)
+        self.self_attn = LlamaAttention(cfg, rope, tp, quant)
+        self.mlp = LlamaMLP(cfg, tp, quant)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -94,12 +94,14 @@ class LlamaForCausalLM(nn.Module):
     }
 
     def __init__(self, cfg: ModelConfig, max_positions: int, dtype: torch.dtype,
-                 tp: TPGroup = SINGLE) -> None:
+                 tp: TPGroup = SINGLE, quant: str | None = None) -> None:
         super().__init__()
         self.cfg = cfg
         rope = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling, dtype)
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, rope, tp) for _ in range(cfg.num_layers))
+        # `quant`: the decoder layers' linears are quantized (embeddings and the LM head stay dense, as in
+        # GPTQ, AWQ and compressed-tensors checkpoints, whose quality depends most on them).
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, rope, tp, quant) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, tp)
         if cfg.tie_word_embeddings:  # one matrix serves as both embedding and head

@@ -13,6 +13,8 @@ import torch
 from kvfleet_agent.config import EngineConfig
 from kvfleet_agent.core.scheduler_output import ScheduledChunk
 from kvfleet_agent.layers.attention import PagedAttention
+from kvfleet_agent.layers.linear import log_quantized, weight_bytes
+from kvfleet_agent.layers.quant.spec import spec_from_config
 from kvfleet_agent.layers.tp_group import TPGroup
 from kvfleet_agent.models.config import ModelConfig
 from kvfleet_agent.models.llama import LlamaForCausalLM
@@ -51,14 +53,21 @@ class ModelRunner:
         self.max_model_len = max_model_len
         self.startup = StartupPhases(f"rank {self.tp.rank}" if self.tp.size > 1 else "")
         start, report = time.perf_counter(), LoadReport()
+        self.quant = spec_from_config({"quantization_config": model_cfg.quantization_config}, config.quantization)
         with torch.device(self.device):
-            self.model = LlamaForCausalLM(model_cfg, max_model_len, self.dtype, self.tp).to(self.dtype)
-        self.loaded_bytes = load_weights(self.model, config.model, report)
+            self.model = LlamaForCausalLM(model_cfg, max_model_len, self.dtype, self.tp,
+                                          self.quant.method if self.quant else None).to(self.dtype)
+        self.loaded_bytes = load_weights(self.model, config.model, report, self.quant)
         self.model.eval()
         for module in self.model.modules():  # CPU: oneDNN-prepacked GEMM weights (a no-op elsewhere)
             pack_weights = getattr(module, "pack_weights", None)
             if callable(pack_weights):
                 pack_weights()
+        if self.quant is not None:
+            log_quantized(self.model, self.quant.method, self.tp.rank)
+            if self.quant.activation_scheme == "static" or self.quant.kv_cache_scales:
+                log.warning("this checkpoint's static activation and KV-cache scales are not used: activations and "
+                            "the KV cache stay in %s (weights only are quantized here)", self.dtype)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)  # the last host-to-device copies may still be in flight
         # Reading and placing interleave tensor by tensor: the reads are timed one by one (CheckpointTensor), and
@@ -77,8 +86,8 @@ class ModelRunner:
                                     self.dtype, self.step_inputs)
 
     def param_bytes(self) -> int:
-        """Bytes of this rank's parameters (a tied embedding and LM head count once)."""
-        return sum(p.numel() * p.element_size() for p in self.model.parameters())
+        """Bytes of this rank's weights as held (quantized ones as packed; a tied embedding and LM head once)."""
+        return weight_bytes(self.model)
 
     def kv_shapes(self) -> list[tuple[int, ...]]:
         """The shape of each layer's K (and V) tensor on this rank."""

@@ -1,0 +1,1 @@
+"""Weight quantization: the canonical quantized weight, on-load quantizers, checkpoint formats and backends."""
