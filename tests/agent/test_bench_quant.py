@@ -1,0 +1,103 @@
+"""bench.gptq (calibrated INT4 in AutoGPTQ's layout) and bench.quant's arithmetic; a written GPTQ checkpoint served."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvfleet_agent import LLM, SamplingParams
+from kvfleet_agent.bench.gptq import pack_gptq, quantize_gptq, write_gptq
+from kvfleet_agent.bench.quant import agreement, parse_format
+from kvfleet_agent.layers.quant.formats import read_quantized
+from kvfleet_agent.layers.quant.spec import spec_from_config
+
+transformers = pytest.importorskip("transformers")
+
+GPTQ_CONFIG = {"quant_method": "gptq", "bits": 4, "group_size": 32, "desc_act": False, "sym": True,
+               "checkpoint_format": "gptq"}
+
+
+def correlated_inputs(n: int, cols: int, seed: int) -> torch.Tensor:
+    """Activations with a few dominant directions, as a layer's inputs have (where GPTQ beats rounding)."""
+    g = torch.Generator().manual_seed(seed)
+    basis = torch.randn(8, cols, generator=g)
+    return torch.randn(n, 8, generator=g) @ basis * 3 + torch.randn(n, cols, generator=g) * 0.3
+
+
+def test_the_packed_tensors_read_back_as_the_grid_they_were_packed_from() -> None:
+    g = torch.Generator().manual_seed(0)
+    q = torch.randint(0, 16, (48, 64), generator=g, dtype=torch.int8)
+    scales, zeros = torch.rand(48, 2, generator=g) + 0.1, torch.randint(1, 16, (48, 2), generator=g).float()
+    tensors = pack_gptq(q, scales, zeros)
+    assert tensors["qweight"].shape == (8, 48) and tensors["qzeros"].shape == (2, 6)
+    spec = spec_from_config({"quantization_config": {**GPTQ_CONFIG, "sym": False}}, None)
+    assert spec is not None
+    got = read_quantized(spec, tensors)
+    want = (q.float() - zeros.repeat_interleave(32, dim=1)) * scales.half().float().repeat_interleave(32, dim=1)
+    torch.testing.assert_close(got.dequantize(), want, rtol=0, atol=0)
+
+
+def test_gptq_spreads_rounding_error_so_the_layer_output_beats_round_to_nearest() -> None:
+    x = correlated_inputs(512, 64, seed=1)
+    w = torch.randn(32, 64, generator=torch.Generator().manual_seed(2)) * 0.1
+    hessian = 2 * x.t() @ x / len(x)
+    q, s, z = quantize_gptq(w, hessian, group=32, sym=True)
+    gptq = (q.float() - z.repeat_interleave(32, 1)) * s.repeat_interleave(32, 1)
+    rtn_scale = (w.view(32, 2, 32).abs().amax(-1) * 2 / 15).repeat_interleave(32, 1)
+    rtn = (torch.clamp(torch.round(w / rtn_scale) + 8, 0, 15) - 8) * rtn_scale
+    err_gptq = (x @ (w - gptq).t()).norm()
+    err_rtn = (x @ (w - rtn).t()).norm()
+    assert err_gptq < 0.8 * err_rtn, f"GPTQ output error {err_gptq:.3f} against rounding's {err_rtn:.3f}"
+
+
+def test_agreement_counts_tokens_up_to_the_first_difference() -> None:
+    ref = [[1, 2, 3, 4], [5, 6, 7, 8]]
+    assert agreement(ref, ref) == (1.0, 1.0)
+    assert agreement(ref, [[1, 2, 9, 4], [5, 6, 7, 8]]) == (6 / 8, 0.5)  # the 4 after the 9 does not count
+
+
+def test_formats_name_a_flag_or_a_directory() -> None:
+    assert parse_format("int8", "/m") == ("int8", "/m", "int8")
+    assert parse_format("fp32", "/m") == ("fp32", "/m", None)
+    assert parse_format("gptq=/ckpt", "/m") == ("gptq", "/ckpt", None)
+
+
+def test_a_written_gptq_checkpoint_serves_what_its_dequantized_weights_compute(
+        tmp_path: Path, tiny_checkpoint: Callable[..., str]) -> None:
+    src = tmp_path / "fp"
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, vocab_size=512,
+                                      max_position_embeddings=128, tie_word_embeddings=True)
+    transformers.LlamaForCausalLM(config).save_pretrained(src)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(Path(tiny_checkpoint("llama")) / name, src / name)
+    windows = torch.randint(4, 512, (4, 64), generator=torch.Generator().manual_seed(3))
+    write_gptq(str(src), str(tmp_path / "gptq"), windows, group=32)
+    assert json.loads((tmp_path / "gptq" / "config.json").read_text())["quantization_config"]["bits"] == 4
+    options = {"dtype": "float32", "kv_cache_memory_bytes": 2 << 20, "max_model_len": 64}
+    prompts = [{"prompt_token_ids": [5, 9, 200, 31, 7, 7, 100, 64]}]
+    params = SamplingParams(max_tokens=1, prompt_logprobs=0)
+    served = LLM(model=str(tmp_path / "gptq"), **options)
+    assert all(m.qmm is not None for m in served.engine.runner.model.modules() if getattr(m, "quant", None))
+    # The reference: the fp model with each linear replaced by the dequantized GPTQ weights, in fp32 throughout.
+    spec = spec_from_config({"quantization_config": GPTQ_CONFIG}, None)
+    assert spec is not None
+    from safetensors.torch import load_file, save_file
+    packed = load_file(str(tmp_path / "gptq" / "model.safetensors"))
+    dense = load_file(str(src / "model.safetensors"))
+    for prefix in {k.rpartition(".")[0] for k in packed if k.endswith(".qweight")}:
+        parts = {s: packed[f"{prefix}.{s}"] for s in ("qweight", "qzeros", "scales", "g_idx")}
+        dense[f"{prefix}.weight"] = read_quantized(spec, parts).dequantize()
+    shutil.copytree(src, tmp_path / "ref")
+    save_file(dense, str(tmp_path / "ref" / "model.safetensors"), metadata={"format": "pt"})
+    got = served.generate(prompts, params, use_tqdm=False)[0].prompt_logprobs
+    want = LLM(model=str(tmp_path / "ref"), **options).generate(prompts, params, use_tqdm=False)[0].prompt_logprobs
+    assert got is not None and want is not None
+    gaps = [abs(a.logprob - b.logprob) for a, b in zip(got[1:], want[1:], strict=True) if a and b]
+    assert len(gaps) == 7 and max(gaps) < 0.05, gaps  # bf16 activations in the int4 kernel, nothing else
