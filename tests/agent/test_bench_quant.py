@@ -101,3 +101,32 @@ def test_a_written_gptq_checkpoint_serves_what_its_dequantized_weights_compute(
     assert got is not None and want is not None
     gaps = [abs(a.logprob - b.logprob) for a, b in zip(got[1:], want[1:], strict=True) if a and b]
     assert len(gaps) == 7 and max(gaps) < 0.05, gaps  # bf16 activations in the int4 kernel, nothing else
+
+
+def test_a_written_fp8_checkpoint_serves_its_e4m3_weights(tmp_path: Path, tiny_checkpoint: Callable[..., str]) -> None:
+    from safetensors.torch import load_file, save_file
+
+    from kvfleet_agent.bench.fp8_checkpoint import E4M3_MAX, write_fp8
+
+    src = tiny_checkpoint("llama")
+    write_fp8(src, str(tmp_path / "fp8"))
+    tensors = load_file(str(tmp_path / "fp8" / "model.safetensors"))
+    w = tensors["model.layers.0.mlp.down_proj.weight"]
+    assert w.dtype == torch.float8_e4m3fn and tensors["model.layers.0.mlp.down_proj.weight_scale"].shape == (64, 1)
+    assert float(w.float().abs().amax(dim=1).min()) == E4M3_MAX  # each row's largest weight on the grid's end
+    # The reference: the E4M3 values times their scales, as a plain fp32 checkpoint. On CPU FP8 runs dequantized
+    # in fp32, so the two must agree to rounding; a misread scale (per tensor, transposed) would not.
+    dense = {name: t for name, t in tensors.items() if not name.endswith("weight_scale")}
+    for name, t in dense.items():
+        if t.dtype == torch.float8_e4m3fn:
+            dense[name] = t.float() * tensors[name.removesuffix("weight") + "weight_scale"]
+    shutil.copytree(src, tmp_path / "ref")
+    save_file(dense, str(tmp_path / "ref" / "model.safetensors"), metadata={"format": "pt"})
+    options = {"dtype": "float32", "kv_cache_memory_bytes": 2 << 20, "max_model_len": 64}
+    prompts = [{"prompt_token_ids": [5, 9, 200, 31, 7, 7, 100, 64]}]
+    params = SamplingParams(max_tokens=1, prompt_logprobs=0)
+    got = LLM(model=str(tmp_path / "fp8"), **options).generate(prompts, params, use_tqdm=False)[0].prompt_logprobs
+    want = LLM(model=str(tmp_path / "ref"), **options).generate(prompts, params, use_tqdm=False)[0].prompt_logprobs
+    assert got is not None and want is not None
+    gaps = [abs(a.logprob - b.logprob) for a, b in zip(got[1:], want[1:], strict=True) if a and b]
+    assert len(gaps) == 7 and max(gaps) < 1e-4, gaps

@@ -59,8 +59,9 @@ def run_one(model: str, quantization: str | None, windows: list[list[int]], prom
     from kvfleet_agent.llm import TokensPrompt
 
     start = time.perf_counter()
+    # A fixed KV pool (the default is a share of RAM), so RSS differs by the weights alone.
     llm = LLM(model=model, quantization=quantization, dtype="float32", max_model_len=SEQ_LEN + max_tokens + 8,
-              enable_prefix_caching=False, seed=0)
+              enable_prefix_caching=False, seed=0, kv_cache_memory_bytes=64 << 20)
     load_s = time.perf_counter() - start
     scored = llm.generate([TokensPrompt(prompt_token_ids=w) for w in windows],
                           SamplingParams(max_tokens=1, prompt_logprobs=0), use_tqdm=False)

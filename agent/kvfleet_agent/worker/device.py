@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 from collections.abc import Sequence
 
 import numpy as np
@@ -65,3 +67,13 @@ def to_device(arrays: Sequence[np.ndarray], device: torch.device) -> list[torch.
         offset += n
     staged = host.to(device, non_blocking=True)
     return [t.view(a.shape) for t, a in zip(torch.split(staged, sizes), arrays, strict=True)]
+
+
+def release_freed_memory() -> None:
+    """Return the heap's freed pages to the OS (glibc's malloc_trim), where there is such a call.
+
+    Loading frees about as much host memory as it keeps (tensors read whole, quantized, prepacked), and the
+    allocator holds on to it: RSS, which a pod's memory limit watches, would go on counting it.
+    """
+    with contextlib.suppress(OSError, AttributeError):  # not glibc (musl, macOS): nothing to trim this way
+        ctypes.CDLL("libc.so.6").malloc_trim(0)

@@ -23,7 +23,7 @@ from kvfleet_agent.outputs import Logprob
 from kvfleet_agent.sampling_params import SamplingParams
 from kvfleet_agent.spec_config import SpeculativeConfig
 from kvfleet_agent.worker.cuda_graphs import DecodeGraphRunner
-from kvfleet_agent.worker.device import rank_device, resolve_dtype, to_device
+from kvfleet_agent.worker.device import rank_device, release_freed_memory, resolve_dtype, to_device
 from kvfleet_agent.worker.draft_model import DraftModel
 from kvfleet_agent.worker.kv_budget import cpu_kv_budget, kv_budget_from_profile
 from kvfleet_agent.worker.sampler import PromptLogprobs, Sampler, StepResult, prompt_logprobs
@@ -70,6 +70,7 @@ class ModelRunner:
                             "the KV cache stay in %s (weights only are quantized here)", self.dtype)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)  # the last host-to-device copies may still be in flight
+        release_freed_memory()
         # Reading and placing interleave tensor by tensor: the reads are timed one by one (CheckpointTensor), and
         # everything else (allocating the parameters, copying into them, prepacking) is placing them on the device.
         self.startup.record("weights_read", report.read_seconds)
