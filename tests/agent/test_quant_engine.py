@@ -69,7 +69,7 @@ def greedy(llm: LLM, n: int = 12) -> list[list[int]]:
     return [list(o.outputs[0].token_ids) for o in outs]
 
 
-@pytest.mark.parametrize("method", ["int8", "int4"])
+@pytest.mark.parametrize("method", ["int8", "int4", "fp8"])
 def test_a_quantized_engine_computes_what_its_dequantized_weights_do(hf_ckpt: Path, tmp_path: Path,
                                                                        method: str) -> None:
     quant = LLM(model=str(hf_ckpt), quantization=method, **OPTIONS)

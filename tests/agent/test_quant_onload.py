@@ -144,3 +144,45 @@ def test_weights_no_kernel_fits_run_dequantized_and_stay_exact(qw: QuantWeight, 
     assert mm.path == "dense" and mm.dense is not None, why
     x = torch.randn(3, qw.shape[1])
     torch.testing.assert_close(mm(x), x @ qw.dequantize().T, rtol=1e-5, atol=1e-5)
+
+
+CHILD = """
+import torch
+from kvfleet_agent.layers.quant.matmul import QuantMatmul
+from kvfleet_agent.layers.quant.onload import quantize_int4, quantize_int8
+g = torch.Generator().manual_seed(0)
+w = torch.randn(48, 128, generator=g) * 0.05
+x = torch.randn(3, 128, generator=g)
+for qw, path in ((quantize_int8(w), "triton-w8a16"), (quantize_int4(w, 32), "triton-w4a16")):
+    mm = QuantMatmul(qw, torch.float32)
+    assert mm.path == path, mm.path
+    err = float((mm(x) - x @ qw.dequantize().T).abs().max())
+    assert err < 1e-4, (path, err)
+    print(path, "ok")
+"""
+
+
+def test_where_triton_runs_the_weights_take_its_dequant_gemms() -> None:
+    """The GPU path, chosen and exact, through Triton's interpreter (KVFLEET_FORCE_TRITON=1 on CPU tensors)."""
+    import os
+    import subprocess
+    import sys
+
+    pytest.importorskip("triton")
+    env = {**os.environ, "TRITON_INTERPRET": "1", "KVFLEET_FORCE_TRITON": "1"}
+    done = subprocess.run([sys.executable, "-c", CHILD], env=env, capture_output=True, text=True, timeout=300,
+                          check=False)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split() == ["triton-w8a16", "ok", "triton-w4a16", "ok"]
+
+
+def test_on_load_fp8_keeps_e4m3_values_and_a_scale_per_row() -> None:
+    from kvfleet_agent.layers.quant.onload import quantize_fp8
+
+    w = weight(16, 64)
+    qw = quantize_fp8(w)
+    assert qw.is_fp8 and qw.scale.shape == (16, 1) and qw.zero is None
+    assert float(qw.q.float().abs().amax(dim=1).min()) == 448.0
+    rel = (qw.dequantize() - w).abs() / w.abs().clamp(min=1e-3)
+    assert float(rel.median()) < 2**-4  # three mantissa bits: half a step is 2^-4 of the value at most
+    assert QuantMatmul(qw, torch.float32).path == "dense"  # no FP8 matmul on CPU: it runs dequantized

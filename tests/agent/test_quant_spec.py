@@ -124,8 +124,16 @@ def test_cli_on_a_checkpoint_quantized_otherwise_is_refused(q: dict[str, Any], c
     assert f"drop --quantization {cli}" in str(e.value) and "fp checkpoint" in str(e.value)
 
 
+def test_fp8_on_an_fp_checkpoint_quantizes_on_load_as_vllm_does() -> None:
+    spec = spec_from_config({}, "fp8")
+    assert spec is not None and spec.on_load and spec.fp8 and spec.weight_strategy == "channel"
+    assert spec.activation_scheme == "dynamic"
+    checkpoint = parse(FP8_BLOCK, "fp8")
+    assert checkpoint is not None and not checkpoint.on_load  # an FP8 checkpoint is read, not quantized again
+
+
 def test_cli_refusals_on_an_fp_checkpoint() -> None:
-    with pytest.raises(ValueError, match=r"--quantization gptq .*no quantization_config.*int8 or int4"):
+    with pytest.raises(ValueError, match=r"--quantization gptq .*no quantization_config.*int8, int4 or fp8"):
         spec_from_config({}, "gptq")
     with pytest.raises(ValueError, match=r"--quantization 'bitsandbytes' is not supported"):
         spec_from_config({}, "bitsandbytes")

@@ -15,15 +15,9 @@ from pathlib import Path
 
 import torch
 
-E4M3_MAX = 448.0
+from kvfleet_agent.layers.quant.onload import E4M3_MAX, quantize_fp8
 
-
-def to_fp8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(weight in E4M3, its per-row scale [out, 1]) with w ≈ weight · scale."""
-    scale = (w.float().abs().amax(dim=1, keepdim=True) / E4M3_MAX).clamp(min=1e-12)
-    return (w.float() / scale).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn), scale
-
-
+__all__ = ["E4M3_MAX", "write_fp8"]
 def write_fp8(src: str, dst: str) -> None:
     """Copy src to dst with every decoder linear's weight in FP8 and the config saying so."""
     from safetensors.torch import load_file, save_file
@@ -34,7 +28,8 @@ def write_fp8(src: str, dst: str) -> None:
     for path in sorted(Path(src).glob("*.safetensors")):
         tensors.update(load_file(str(path)))
     for name in [n for n in tensors if n.startswith("model.layers.") and n.endswith("proj.weight")]:
-        tensors[name], tensors[name.removesuffix("weight") + "weight_scale"] = to_fp8(tensors[name])
+        qw = quantize_fp8(tensors[name])  # the on-load quantizer's own grid: the two FP8 paths cannot drift apart
+        tensors[name], tensors[name.removesuffix("weight") + "weight_scale"] = qw.q, qw.scale
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
     config = json.loads((out / "config.json").read_text())
     config["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic"}

@@ -26,7 +26,7 @@ Loaded = CheckpointTensor | QuantWeight  # a dense checkpoint tensor, or a pre-q
 # Norms and embeddings take dense tensors only; linears take a quantized weight too.
 WeightLoader = (Callable[[nn.Parameter, CheckpointTensor, str | None], None]
                 | Callable[[nn.Parameter, Loaded, str | None], None])
-ON_LOAD = ("int8", "int4")  # quantized here from an fp checkpoint; other methods arrive quantized
+ON_LOAD = ("int8", "int4", "fp8")  # quantized here from an fp checkpoint; "checkpoint": they arrive quantized
 SINGLE = TPGroup()
 log = logging.getLogger(__name__)  # the default group: one rank, collectives are no-ops
 
@@ -73,9 +73,10 @@ def split(size: int, tp: TPGroup, what: str) -> int:
 class _Linear(nn.Module):
     """The shared machinery: a dense weight, or (quantized) the rows of each packed part until they are joined.
 
-    `quant` is the quantization method, or None. A quantized layer's `weight` stays on the meta device (its
-    shape checks the checkpoint, it holds no memory); the parts loaded for this rank are joined, moved and
-    prepared for their kernel by `pack_weights`, after which `qmm` computes the matmul.
+    `quant` is the on-load quantizer (ON_LOAD), "checkpoint" (pre-quantized), or None. A quantized layer's
+    `weight` stays on the meta device (its shape checks the checkpoint, it holds no memory); the parts loaded
+    for this rank are joined, moved and prepared for their kernel by `pack_weights`, after which `qmm`
+    computes the matmul.
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool, tp: TPGroup,
@@ -120,7 +121,8 @@ class _Linear(nn.Module):
         """What this layer shards: on-load quantization quantizes the whole tensor first, so every rank
         cuts its share of one grid (per-channel scales span the full row) and TP=N equals TP=1."""
         if self.quant in ON_LOAD and param is self.weight and isinstance(loaded, CheckpointTensor):
-            return quantize(loaded.read(), str(self.quant))
+            # On the layer's device: a GPU quantizes an 8B model's weights in seconds, where the host takes minutes.
+            return quantize(loaded.read().to(self.home), str(self.quant))
         return loaded
 
     def _put(self, param: nn.Parameter, row: int, src: torch.Tensor | QuantWeight, name: str) -> None:

@@ -55,8 +55,8 @@ class ModelRunner:
         start, report = time.perf_counter(), LoadReport()
         self.quant = spec_from_config({"quantization_config": model_cfg.quantization_config}, config.quantization)
         with torch.device(self.device):
-            self.model = LlamaForCausalLM(model_cfg, max_model_len, self.dtype, self.tp,
-                                          self.quant.method if self.quant else None).to(self.dtype)
+            layer_quant = None if self.quant is None else self.quant.method if self.quant.on_load else "checkpoint"
+            self.model = LlamaForCausalLM(model_cfg, max_model_len, self.dtype, self.tp, layer_quant).to(self.dtype)
         self.loaded_bytes = load_weights(self.model, config.model, report, self.quant)
         self.model.eval()
         for module in self.model.modules():  # CPU: oneDNN-prepacked GEMM weights (a no-op elsewhere)

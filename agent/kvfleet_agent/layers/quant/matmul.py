@@ -1,5 +1,6 @@
 """QuantMatmul: a QuantWeight made ready for its device once, then y = x · Wᵀ through the fastest kernel there.
 
+On GPU: kvfleet_kernels' Triton dequant-GEMMs (W8A16, W4A16) and torch._scaled_mm for FP8 (sm_89+).
 On CPU: PyTorch's native weight-only kernels (`_weight_int8pack_mm`, `_weight_int4pack_mm_for_cpu`),
 which take bf16 activations (W8A16 / W4A16, as vLLM names the schemes); the fp32 results stay fp32.
 Where no kernel fits (FP8 on CPU, odd shapes) the weight is dequantized once into the compute dtype and
@@ -14,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from kvfleet_agent.layers.quant.weight import QuantWeight
+from kvfleet_kernels import dispatch, quant_pack
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +55,11 @@ class QuantMatmul:
         self.path = "dense"
         device = qw.q.device
         plain, perm = _uniform_groups(qw)
+        if plain.g_idx is None and self._triton(plain, dtype):
+            self.perm = perm
+            return
+        if qw.is_fp8 and self._scaled_mm(qw, dtype):
+            return
         if device.type == "cpu" and not qw.is_fp8 and plain.g_idx is None:
             if qw.bits == 8 and self._cpu_int8(plain):
                 self.perm = perm
@@ -61,6 +68,32 @@ class QuantMatmul:
                 self.perm = perm
                 return
         self.dense = qw.dequantize(dtype)
+
+    def _triton(self, qw: QuantWeight, dtype: torch.dtype) -> bool:
+        """W8A16 / W4A16 through kvfleet_kernels' Triton dequant-GEMMs (CUDA; on CPU only in the interpreter)."""
+        if qw.is_fp8 or not quant_pack.supports(torch.empty(0, dtype=dtype, device=qw.q.device)):
+            return False
+        q, zero = qw.q, qw.zero
+        if qw.bits == 4 and int(q.min()) < 0:  # a signed grid (−8..7) onto the kernel's 0..15, the zero with it
+            q, zero = q + 8, (torch.zeros_like(qw.scale) if zero is None else zero) + 8
+        try:
+            pack = quant_pack.pack_int8 if qw.bits == 8 else quant_pack.pack_int4
+            self.tpacked: quant_pack.PackedInt8 | quant_pack.PackedInt4 = pack(q, qw.scale, zero, qw.group_size)
+        except ValueError as e:  # a group size the kernels do not tile (not a multiple of 16)
+            log.info("no Triton kernel for a %s weight: %s; it runs dequantized", tuple(qw.shape), e)
+            return False
+        self.kernels = dispatch.kernel_module("quant_matmul")
+        self.path = f"triton-w{qw.bits}a16"
+        return True
+
+    def _scaled_mm(self, qw: QuantWeight, dtype: torch.dtype) -> bool:
+        """FP8 weights through torch._scaled_mm with per-token activation scales (CUDA, compute capability 8.9+)."""
+        if not quant_pack.fp8_scaled_mm_supported(qw.q.device) or dtype not in (torch.bfloat16, torch.float16) \
+                or qw.group_size != self.in_features or qw.zero is not None or qw.g_idx is not None:
+            return False  # block-wise scales and fp32 activations run dequantized
+        self.fp8_w, self.fp8_scale = qw.q.contiguous(), qw.scale.contiguous()
+        self.path = "fp8-scaled-mm"
+        return True
 
     def _cpu_int8(self, qw: QuantWeight) -> bool:
         """Per-channel INT8: y = (x·qᵀ)·s − (Σx)·(z·s); the scale factors out of the sum, so it stays fp32."""
@@ -92,7 +125,10 @@ class QuantMatmul:
     def nbytes(self) -> int:
         """Bytes this weight keeps resident on its device."""
         held = [getattr(self, name, None) for name in ("dense", "q8", "scale", "zero_scale", "q4", "scales_zeros",
-                                                       "perm")]
+                                                       "perm", "fp8_w", "fp8_scale")]
+        packed = getattr(self, "tpacked", None)
+        if packed is not None:
+            held += [packed.qweight, packed.scale, packed.zero]
         return sum(t.numel() * t.element_size() for t in held if isinstance(t, torch.Tensor))
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
@@ -101,6 +137,12 @@ class QuantMatmul:
             return F.linear(x, self.dense)
         if self.perm is not None:
             x = x.index_select(-1, self.perm)
+        if self.path == "triton-w8a16":
+            return self.kernels.w8a16_matmul(x, self.tpacked)  # type: ignore[no-any-return]
+        if self.path == "triton-w4a16":
+            return self.kernels.w4a16_matmul(x, self.tpacked)  # type: ignore[no-any-return]
+        if self.path == "fp8-scaled-mm":
+            return quant_pack.fp8_linear(x, self.fp8_w, self.fp8_scale)
         if self.path == "cpu-int8":
             if x.shape[0] > INT8_KERNEL_ROWS and x.dtype == torch.float32:  # prefill chunks: dequantize for the step
                 w = self.q8.to(torch.float32).mul_(self.scale[:, None])

@@ -1,11 +1,12 @@
-"""On-load quantization of an fp checkpoint's linear weights: INT8 per output channel, INT4 in groups (RTN)."""
+"""On-load quantization of an fp checkpoint's linear weights: INT8 and FP8 per output channel, INT4 in groups."""
 
 from __future__ import annotations
 
 import torch
 
-from kvfleet_agent.layers.quant.weight import QuantWeight
+from kvfleet_agent.layers.quant.weight import FP8, QuantWeight
 
+E4M3_MAX = 448.0  # float8_e4m3fn's largest finite value
 # The preferred group first; a smaller one where it does not divide the inputs (16 has no CPU kernel: such a
 # layer runs dequantized, and the start-up log says so).
 INT4_GROUPS = (128, 64, 32, 16)
@@ -45,10 +46,20 @@ def quantize_int4(w: torch.Tensor, group_size: int = 128) -> QuantWeight:
     return QuantWeight(q=q.reshape(out, cols), scale=scale, zero=zero, bits=4, group_size=g)
 
 
+def quantize_fp8(w: torch.Tensor) -> QuantWeight:
+    """E4M3 with one scale per output channel (each row's largest magnitude onto E4M3's 448), as vLLM's on-load FP8."""
+    w = w.to(torch.float32)
+    scale = (w.abs().amax(dim=1, keepdim=True) / E4M3_MAX).clamp(min=torch.finfo(torch.float32).tiny)
+    q = (w / scale).clamp(-E4M3_MAX, E4M3_MAX).to(FP8)
+    return QuantWeight(q=q, scale=scale, zero=None, bits=8, group_size=int(w.shape[1]))
+
+
 def quantize(w: torch.Tensor, method: str) -> QuantWeight:
-    """Quantize a dense weight [out, in] by the on-load method's name (int8 or int4)."""
+    """Quantize a dense weight [out, in] by the on-load method's name (int8, int4 or fp8)."""
     if method == "int8":
         return quantize_int8(w)
     if method == "int4":
         return quantize_int4(w)
-    raise ValueError(f"on-load quantization {method!r} is unknown: use int8 or int4")
+    if method == "fp8":
+        return quantize_fp8(w)
+    raise ValueError(f"on-load quantization {method!r} is unknown: use int8, int4 or fp8")

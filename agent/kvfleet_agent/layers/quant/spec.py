@@ -12,6 +12,7 @@ CHECKPOINT_METHODS = ("gptq", "awq", "compressed-tensors", "fp8")
 CLI_ALIASES = {"gptq_marlin": "gptq", "awq_marlin": "awq", "compressed_tensors": "compressed-tensors"}
 CT_FORMATS = ("pack-quantized", "int-quantized", "float-quantized", "naive-quantized")
 QC = "quantization_config"
+ON_LOAD_FORMAT = "on-load"  # the format of a spec whose weights kvfleet quantizes as they load
 
 
 @dataclass(frozen=True)
@@ -33,8 +34,8 @@ class QuantSpec:
 
     @property
     def on_load(self) -> bool:
-        """Whether the checkpoint is fp and kvfleet quantizes it while loading (int8, int4)."""
-        return self.method in ON_LOAD
+        """Whether the checkpoint is fp and kvfleet quantizes it while loading (int8, int4, and fp8 as vLLM does)."""
+        return self.method in ON_LOAD or self.format == ON_LOAD_FORMAT
 
 
 def spec_from_config(config: dict[str, Any], cli: str | None) -> QuantSpec | None:
@@ -48,9 +49,12 @@ def spec_from_config(config: dict[str, Any], cli: str | None) -> QuantSpec | Non
             return QuantSpec(method="int8", bits=8, group_size=-1, symmetric=True, weight_strategy="channel")
         if wanted == "int4":  # min/max per group of 128 (onload.quantize_int4 picks a smaller group where needed)
             return QuantSpec(method="int4", bits=4, group_size=128, symmetric=False, weight_strategy="group")
+        if wanted == "fp8":  # as vLLM: an fp checkpoint's weights to E4M3 on load, a scale per row, dynamic activations
+            return QuantSpec(method="fp8", bits=8, fp8=True, weight_strategy="channel", activation_scheme="dynamic",
+                             format=ON_LOAD_FORMAT)
         raise ValueError(f"--quantization {cli} names a pre-quantized checkpoint format, but config.json has no "
-                         "quantization_config (an fp checkpoint): pass --quantization int8 or int4 to quantize it "
-                         f"on load, or serve a {wanted} checkpoint")
+                         "quantization_config (an fp checkpoint): pass --quantization int8, int4 or fp8 to quantize "
+                         f"it on load, or serve a {wanted} checkpoint")
     if not isinstance(raw, dict):
         raise ValueError(f"config.json {QC} must be an object, not {type(raw).__name__}")
     spec = _parse(raw)

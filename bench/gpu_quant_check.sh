@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# A lease's quantization checks: the quantized engines' -m gpu tests, then 8B decode per format on the roofline.
+#
+# Run from the repository root on a CUDA machine whose python3 holds torch, triton and transformers:
+#   bash bench/gpu_quant_check.sh OUTDIR
+# Needs what bench/gpu_check.sh needs (.bench-shared/workload.py; llguidance's wheel in .whl/ where missing).
+set -u
+out=${1:?usage: bash bench/gpu_quant_check.sh OUTDIR}
+mkdir -p "$out"
+export PYTHONUNBUFFERED=1 PYTHONPATH=agent:kernels:contract
+if ls .whl/*.whl >/dev/null 2>&1; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+        && export PYTHONPATH=$PYTHONPATH:/tmp/site
+fi
+nvidia-smi -L | tee "$out/device.txt"
+model=${KVFLEET_GPU_MODEL:-/tmp/llama3-8b}
+( timeout "${MAKE_S:-150}" python3 - "$model" >"$out/make.log" 2>&1 <<'PY'
+import sys, torch
+sys.path.insert(0, ".bench-shared")
+import workload
+torch.set_default_device("cuda")
+workload.make_model("llama3-8b", sys.argv[1], dtype="bfloat16")
+PY
+) &
+maker=$!
+timeout "${TIER_S:-150}" python3 -m pytest -q -p no:cacheprovider -m gpu --timeout 120 -rA \
+    tests/agent/test_quant_gpu.py 2>&1 | tee "$out/tier.log" | tail -15
+wait $maker; echo "make rc=$?"
+# bf16 first: the baseline every quantized row is read against, on the same machine in the same run.
+for q in none int8 int4 fp8; do
+    flag=""; [ "$q" != none ] && flag="--quantization $q"
+    timeout "${DECODE_S:-80}" python3 -m kvfleet_agent.bench.decode --model "$model" --batch 1 16 --context 1024 \
+        --dtype bfloat16 --steps 32 --warmup 4 $flag --json "$out/decode-$q.json" 2>&1 | tail -4 | tee "$out/decode-$q.log"
+done
