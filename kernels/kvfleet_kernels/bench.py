@@ -5,6 +5,7 @@ import statistics
 import sys
 from collections.abc import Callable
 from functools import partial
+from typing import cast
 
 import torch
 
@@ -18,6 +19,7 @@ from kvfleet_kernels import plan, reference
 # rotated among enough copies to exceed the L2 four times, as a model's layers would be; Triton also timed as
 # CUDA graph replays, which removes the Python launch cost that decode steps under graphs do not pay.
 H, KVH, D, HIDDEN, BS = 32, 8, 128, 4096, 16  # Llama-3-8B, block size 16
+QUANT_SHAPES = ((6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336))  # its qkv, o, gate_up, down [out, in]
 Fn = Callable[[], object]
 
 
@@ -220,11 +222,37 @@ class Bench:
         check = (fused.rotary(x, cos, sin).float(), reference.rotary(x.float(), cos.float(), sin.float()))
         self.report("rotary", f"t{t}", calls, check, work, "GB/s")
 
+    def quant(self, op: str, m: int, n: int, k: int) -> None:
+        """w8a16 (int8 per channel), w4a16 (int4, groups of 128, zeros) or fp8: GB/s at decode, TFLOP/s else."""
+        from kvfleet_kernels import quant_matmul as qm
+
+        if op == "fp8" and self.device == "cuda" and not qm.fp8_scaled_mm_supported(torch.device("cuda")):
+            return print("fp8: torch._scaled_mm needs compute capability 8.9 or later: not measured")
+        gs, dev, bits = 128 if op == "w4a16" else k, self.device, 4 if op == "w4a16" else 8
+        work = n * k * bits // 8 + k // gs * n * 4 * (2 if bits == 4 else 1) + (m * k + m * n) * self.elt
+        calls: list[tuple[Fn, Fn]] = []
+        for _ in range(rotations(work)):
+            x, s = self.randn(m, k), torch.rand(n, k // gs, device=dev, generator=self.gen) * 2e-3 + 1e-3
+            q = torch.randint(0, 2 ** bits, (n, k), device=dev, generator=self.gen).to(torch.int8)  # 8 bits: wraps
+            z = torch.randint(0, 16, s.shape, device=dev, generator=self.gen).float() if bits == 4 else None
+            if op == "fp8":
+                q = torch.randn(n, k, device=dev, generator=self.gen).to(qm.FP8)
+                fn: Fn = partial(qm.fp8_linear, x, q, s, scaled_mm=True)
+                want, dense = qm.emulate_fp8_linear(x.float(), q, s), (q.float() * s).to(self.dtype)
+            else:
+                fn = partial(qm.w4a16_matmul, x, qm.pack_int4(q, s, z, gs)) if bits == 4 else \
+                    partial(qm.w8a16_matmul, x, qm.pack_int8(q, s, z, gs))
+                want, dense = qm.ref_w8a16(x.float(), q, s, z, gs), qm.dequantize(q, s, z, gs).to(self.dtype)
+            calls.append((fn, partial(torch.matmul, x, dense.t())))  # the reference: the dense 16-bit matmul
+        self.report(op, f"m{m} {n}x{k}", calls, (cast(torch.Tensor, fn()).float(), want),
+                    work if m <= 64 else 2 * m * n * k, "GB/s" if m <= 64 else "TFLOP/s")
+
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m kvfleet_kernels.bench", description=__doc__)
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
-    parser.add_argument("--only", default="decode,prefill,kv_write,norm,rotary", help="comma-separated ops")
+    parser.add_argument("--only", default="decode,prefill,kv_write,norm,rotary",
+                        help="comma-separated ops; opt-in beside these: w8a16, w4a16, fp8")
     parser.add_argument("--warmup", type=int, default=10)
     parser.add_argument("--reps", type=int, default=50)
     args = parser.parse_args(argv)
@@ -261,6 +289,9 @@ def main(argv: list[str] | None = None) -> int:
     if "rotary" in only:
         for t in (64, 8192):
             bench.rotary(t)
+    for op in [op for op in ("w8a16", "w4a16", "fp8") if op in only]:
+        for (n, k), m in [(shape, m) for shape in QUANT_SHAPES for m in (1, 16)] + [((14336, 4096), 2048)]:
+            bench.quant(op, m, n, k)
     return 0
 
 
