@@ -7,30 +7,10 @@
 # its wheel in .whl/. Each phase has its own time cap so that one hang cannot eat the lease; logs land in OUTDIR.
 set -u
 out=${1:?usage: bash bench/gpu_check.sh OUTDIR}
-mkdir -p "$out"
-export PYTHONUNBUFFERED=1 PYTHONPATH=agent:kernels:contract
-if ls .whl/*.whl >/dev/null 2>&1; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-        && export PYTHONPATH=$PYTHONPATH:/tmp/site
-fi
-nvidia-smi -L | tee "$out/device.txt"
-python3 -c 'import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__)' \
-    | tee -a "$out/device.txt"
-
+. bench/gpu_common.sh
+gpu_setup "$out"
 model=${KVFLEET_GPU_MODEL:-/tmp/llama3-8b}
-# The 8B checkpoint is built on the GPU (seconds, not minutes on the host) and written by transformers'
-# save_pretrained, while the test tier runs beside it.
-( timeout "${MAKE_S:-150}" python3 - "$model" >"$out/make.log" 2>&1 <<'EOF'
-import sys, time, torch
-sys.path.insert(0, ".bench-shared")
-import workload
-t = time.time()
-torch.set_default_device("cuda")
-workload.make_model("llama3-8b", sys.argv[1], dtype="bfloat16")
-print(f"made {sys.argv[1]} in {time.time() - t:.0f}s")
-EOF
-) &
-maker=$!
+make_8b "$model" "$out"  # while the test tier runs
 
 # Only the files that hold gpu tests: the image lacks pydantic and jsonschema, which other test files import.
 mapfile -t tier < <(grep -rl --include='test_*.py' 'mark.gpu' tests | sort)

@@ -6,23 +6,10 @@
 # Needs what bench/gpu_check.sh needs (.bench-shared/workload.py; llguidance's wheel in .whl/ where missing).
 set -u
 out=${1:?usage: bash bench/gpu_quant_check.sh OUTDIR}
-mkdir -p "$out"
-export PYTHONUNBUFFERED=1 PYTHONPATH=agent:kernels:contract
-if ls .whl/*.whl >/dev/null 2>&1; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-        && export PYTHONPATH=$PYTHONPATH:/tmp/site
-fi
-nvidia-smi -L | tee "$out/device.txt"
+. bench/gpu_common.sh
+gpu_setup "$out"
 model=${KVFLEET_GPU_MODEL:-/tmp/llama3-8b}
-( timeout "${MAKE_S:-150}" python3 - "$model" >"$out/make.log" 2>&1 <<'PY'
-import sys, torch
-sys.path.insert(0, ".bench-shared")
-import workload
-torch.set_default_device("cuda")
-workload.make_model("llama3-8b", sys.argv[1], dtype="bfloat16")
-PY
-) &
-maker=$!
+make_8b "$model" "$out"  # while the tests run
 timeout "${TIER_S:-150}" python3 -m pytest -q -p no:cacheprovider -m gpu --timeout 120 -rA \
     tests/agent/test_quant_gpu.py 2>&1 | tee "$out/tier.log" | tail -15
 wait $maker; echo "make rc=$?"
