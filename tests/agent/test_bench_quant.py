@@ -130,3 +130,28 @@ def test_a_written_fp8_checkpoint_serves_its_e4m3_weights(tmp_path: Path, tiny_c
     assert got is not None and want is not None
     gaps = [abs(a.logprob - b.logprob) for a, b in zip(got[1:], want[1:], strict=True) if a and b]
     assert len(gaps) == 7 and max(gaps) < 1e-4, gaps
+
+
+def test_a_gptq_checkpoint_at_tp2_equals_tp1(tmp_path: Path, tiny_checkpoint: Callable[..., str]) -> None:
+    """Row-parallel ranks cut the checkpoint's groups and scales where the columns split; column-parallel ones
+    cut rows: TP=2 must compute what TP=1 does, token for token."""
+    src = tmp_path / "fp"
+    torch.manual_seed(1)
+    config = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, vocab_size=512,
+                                      max_position_embeddings=128, tie_word_embeddings=False)
+    model = transformers.LlamaForCausalLM(config)
+    with torch.no_grad():  # sharper logits, so that greedy choices are not coin flips
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.mul_(4.0)
+    model.save_pretrained(src)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(Path(tiny_checkpoint("llama")) / name, src / name)
+    write_gptq(str(src), str(tmp_path / "gptq"), torch.randint(4, 512, (4, 64)), group=32)
+    options = {"dtype": "float32", "kv_cache_memory_bytes": 2 << 20, "max_model_len": 64}
+    prompts = [{"prompt_token_ids": p} for p in ([5, 9, 200, 31, 7], [100, 64, 3], list(range(40, 60)))]
+    params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+    one = [o.outputs[0].token_ids for o in LLM(model=str(tmp_path / "gptq"), **options).generate(prompts, params)]
+    with LLM(model=str(tmp_path / "gptq"), tensor_parallel_size=2, **options) as two:
+        assert [o.outputs[0].token_ids for o in two.generate(prompts, params)] == one
