@@ -48,10 +48,13 @@ class ParallelLMHead(VocabParallelEmbedding):
     """Hidden states → logits over the full vocabulary (each rank computes its slice, then gather)."""
 
     packed: torch.Tensor | None = None
+    tied = False  # the model shares this weight with its embedding table (which still reads it)
 
     def pack_weights(self) -> None:
-        """Prepack the (possibly tied) weight for the CPU fast path."""
+        """Prepack the (possibly tied) weight for the CPU fast path; an untied one then keeps only the packed copy."""
         self.packed = pack(self.weight) if can_pack(self.weight) else None
+        if self.packed is not None and not self.tied:
+            self.weight = nn.Parameter(torch.empty_like(self.weight, device="meta"), requires_grad=False)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = linear(hidden, self.weight, packed=self.packed)

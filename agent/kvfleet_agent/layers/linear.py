@@ -170,8 +170,13 @@ def weight_bytes(model: nn.Module) -> int:
     """Bytes a model's weights hold on their device: dense parameters and prepared quantized weights."""
     dense = sum(p.numel() * p.element_size() for p in model.parameters() if not p.is_meta)
     linears = [m for m in model.modules() if isinstance(m, _Linear)]
-    return dense + sum(m.qmm.nbytes for m in linears if m.qmm is not None) + \
-        sum(m.packed.numel() * m.packed.element_size() for m in linears if m.packed is not None)
+    # A packed weight whose dense parameter went to meta (linears, an untied LM head) counts as its packed copy.
+    packed = 0
+    for m in model.modules():
+        p, w = getattr(m, "packed", None), getattr(m, "weight", None)
+        if isinstance(p, torch.Tensor) and isinstance(w, torch.Tensor) and w.is_meta:
+            packed += p.numel() * p.element_size()
+    return dense + sum(m.qmm.nbytes for m in linears if m.qmm is not None) + packed
 
 
 def check_shape(loaded: torch.Tensor | Loaded, expected: tuple[int, ...], name: str) -> None:

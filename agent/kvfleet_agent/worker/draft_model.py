@@ -12,6 +12,7 @@ import torch
 from kvfleet_agent.core.scheduler_output import ScheduledChunk
 from kvfleet_agent.core.speculator import speculates
 from kvfleet_agent.layers.attention import PagedAttention
+from kvfleet_agent.layers.linear import weight_bytes
 from kvfleet_agent.layers.tp_group import TPGroup
 from kvfleet_agent.models.config import ModelConfig
 from kvfleet_agent.models.llama import LlamaForCausalLM
@@ -94,8 +95,8 @@ class DraftModel:
                  params / 1e6, self.param_bytes() / 2**20, dtype, self.cfg.num_layers)
 
     def param_bytes(self) -> int:
-        """Bytes of the draft's parameters."""
-        return sum(p.numel() * p.element_size() for p in self.model.parameters())
+        """Bytes of the draft's weights as held (a prepacked linear's packed copy, not a meta parameter)."""
+        return weight_bytes(self.model)
 
     def bytes_per_block(self) -> int:
         """The draft's KV bytes for one block of the shared pool (keys and values, every layer)."""
