@@ -96,7 +96,7 @@ def test_quantized_weights_hold_a_fraction_of_the_dense_bytes(hf_ckpt: Path) -> 
             assert m.weight.is_meta and m.qmm is not None and m.qmm.path == "cpu-int4"
 
 
-@pytest.mark.parametrize("method", ["int8", "int4"])
+@pytest.mark.parametrize("method", ["int8", "int4", "fp8"])
 def test_tensor_parallel_ranks_cut_one_grid_so_tp2_equals_tp1(hf_ckpt: Path, method: str) -> None:
     one = greedy(LLM(model=str(hf_ckpt), quantization=method, **OPTIONS))
     with LLM(model=str(hf_ckpt), quantization=method, tensor_parallel_size=2, **OPTIONS) as two:
