@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from hf_llama import save_hf_llama
 
 from kvfleet_agent import LLM, SamplingParams
 from kvfleet_agent.bench.gptq import pack_gptq, quantize_gptq, write_gptq
@@ -69,14 +70,7 @@ def test_formats_name_a_flag_or_a_directory() -> None:
 
 def test_a_written_gptq_checkpoint_serves_what_its_dequantized_weights_compute(
         tmp_path: Path, tiny_checkpoint: Callable[..., str]) -> None:
-    src = tmp_path / "fp"
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                      num_attention_heads=4, num_key_value_heads=2, vocab_size=512,
-                                      max_position_embeddings=128, tie_word_embeddings=True)
-    transformers.LlamaForCausalLM(config).save_pretrained(src)
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(Path(tiny_checkpoint("llama")) / name, src / name)
+    src = save_hf_llama(tmp_path / "fp", tiny_checkpoint("llama"), 0, 64, 128, tie=True, sharpen=False)
     windows = torch.randint(4, 512, (4, 64), generator=torch.Generator().manual_seed(3))
     write_gptq(str(src), str(tmp_path / "gptq"), windows, group=32)
     assert json.loads((tmp_path / "gptq" / "config.json").read_text())["quantization_config"]["bits"] == 4
@@ -135,19 +129,7 @@ def test_a_written_fp8_checkpoint_serves_its_e4m3_weights(tmp_path: Path, tiny_c
 def test_a_gptq_checkpoint_at_tp2_equals_tp1(tmp_path: Path, tiny_checkpoint: Callable[..., str]) -> None:
     """Row-parallel ranks cut the checkpoint's groups and scales where the columns split; column-parallel ones
     cut rows: TP=2 must compute what TP=1 does, token for token."""
-    src = tmp_path / "fp"
-    torch.manual_seed(1)
-    config = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                      num_attention_heads=4, num_key_value_heads=2, vocab_size=512,
-                                      max_position_embeddings=128, tie_word_embeddings=False)
-    model = transformers.LlamaForCausalLM(config)
-    with torch.no_grad():  # sharper logits, so that greedy choices are not coin flips
-        for p in model.parameters():
-            if p.dim() == 2:
-                p.mul_(4.0)
-    model.save_pretrained(src)
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(Path(tiny_checkpoint("llama")) / name, src / name)
+    src = save_hf_llama(tmp_path / "fp", tiny_checkpoint("llama"), 1, 64, 128, tie=False)
     write_gptq(str(src), str(tmp_path / "gptq"), torch.randint(4, 512, (4, 64)), group=32)
     options = {"dtype": "float32", "kv_cache_memory_bytes": 2 << 20, "max_model_len": 64}
     prompts = [{"prompt_token_ids": p} for p in ([5, 9, 200, 31, 7], [100, 64, 3], list(range(40, 60)))]

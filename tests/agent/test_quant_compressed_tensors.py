@@ -4,13 +4,13 @@ computes what the library's own fake-quantized weights compute, and TP=2 equals 
 from __future__ import annotations
 
 import json
-import shutil
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from hf_llama import copy_tokenizer, hf_llama
 from safetensors.torch import save_file
 
 from kvfleet_agent import LLM, SamplingParams
@@ -20,19 +20,6 @@ pytest.importorskip("compressed_tensors")
 
 OPTIONS = {"dtype": "float32", "kv_cache_memory_bytes": 2 << 20, "max_model_len": 64}
 PROMPTS = [{"prompt_token_ids": p} for p in ([5, 9, 200, 31, 7, 7, 100, 64], [3, 1, 4, 1, 5, 9, 2, 6], [400, 12, 77])]
-
-
-def llama(seed: int) -> Any:
-    torch.manual_seed(seed)
-    config = transformers.LlamaConfig(hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                                      num_attention_heads=4, num_key_value_heads=2, vocab_size=512,
-                                      max_position_embeddings=128, tie_word_embeddings=False)
-    model = transformers.LlamaForCausalLM(config)
-    with torch.no_grad():  # sharper logits, so greedy choices are not coin flips
-        for p in model.parameters():
-            if p.dim() == 2:
-                p.mul_(4.0)
-    return model
 
 
 def compress(model: Any, out: Path, weights: dict[str, Any]) -> dict[str, torch.Tensor]:
@@ -72,12 +59,6 @@ def compress(model: Any, out: Path, weights: dict[str, Any]) -> dict[str, torch.
     return expected
 
 
-def with_tokenizer(d: Path, tiny_checkpoint: Callable[..., str]) -> str:
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(Path(tiny_checkpoint("llama")) / name, d / name)
-    return str(d)
-
-
 @pytest.mark.parametrize("weights", [
     {"num_bits": 4, "strategy": "group", "group_size": 64, "symmetric": False},  # W4A16, asymmetric
     {"num_bits": 8, "strategy": "channel", "symmetric": True},  # W8A16
@@ -85,7 +66,7 @@ def with_tokenizer(d: Path, tiny_checkpoint: Callable[..., str]) -> str:
 def test_a_compressed_tensors_llama_serves_its_library_grid_and_tp2_equals_tp1(
         tmp_path: Path, tiny_checkpoint: Callable[..., str], weights: dict[str, Any]) -> None:
     packed, reference = tmp_path / "packed", tmp_path / "reference"
-    model = llama(seed=5)
+    model = hf_llama(5, 128, 256, tie=False)
     dense = {k: v.clone() for k, v in model.state_dict().items()}
     expected = compress(model, packed, weights)
     assert json.loads((packed / "config.json").read_text())["quantization_config"]["format"] == "pack-quantized"
@@ -95,11 +76,11 @@ def test_a_compressed_tensors_llama_serves_its_library_grid_and_tp2_equals_tp1(
     save_file({k: v.contiguous() for k, v in dense.items()}, str(reference / "model.safetensors"),
               metadata={"format": "pt"})
     params = SamplingParams(max_tokens=1, prompt_logprobs=0)
-    served = LLM(model=with_tokenizer(packed, tiny_checkpoint), **OPTIONS)
+    served = LLM(model=copy_tokenizer(tiny_checkpoint("llama"), packed), **OPTIONS)
     kernels = {m.qmm.path for m in served.engine.runner.model.modules() if getattr(m, "qmm", None) is not None}
     assert kernels == {"cpu-int4" if weights["num_bits"] == 4 else "cpu-int8"}
     got = [lp.logprob for o in served.generate(PROMPTS, params, use_tqdm=False) for lp in o.prompt_logprobs[1:]]
-    ref_llm = LLM(model=with_tokenizer(reference, tiny_checkpoint), **OPTIONS)
+    ref_llm = LLM(model=copy_tokenizer(tiny_checkpoint("llama"), reference), **OPTIONS)
     want = [lp.logprob for o in ref_llm.generate(PROMPTS, params, use_tqdm=False) for lp in o.prompt_logprobs[1:]]
     gap = max(abs(a - b) for a, b in zip(got, want, strict=True))
     assert len(got) == 16 and gap < 0.05, gap  # bf16 activations in the CPU kernels, nothing else

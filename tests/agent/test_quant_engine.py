@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from hf_llama import save_hf_llama
 from safetensors.torch import load_file, save_file
 
 from kvfleet_agent import LLM, SamplingParams
@@ -30,20 +31,8 @@ PROMPTS = [[5, 17, 300, 42, 8, 99, 123], [7, 7, 7, 1, 250], list(range(20, 60))]
 def hf_ckpt(tmp_path_factory: pytest.TempPathFactory, tiny_checkpoint: Callable[..., str]) -> Path:
     """A Llama saved by transformers (hidden 128, intermediate 256: int4 groups of 128 fit both), with the tiny
     checkpoint's tokenizer beside it."""
-    out = tmp_path_factory.mktemp("hf-llama")
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                                      num_attention_heads=4, num_key_value_heads=2, vocab_size=512,
-                                      max_position_embeddings=256, tie_word_embeddings=False)
-    model = transformers.LlamaForCausalLM(config)
-    with torch.no_grad():  # sharper logits than the default init, so greedy choices are not coin flips
-        for p in model.parameters():
-            if p.dim() == 2:
-                p.mul_(4.0)
-    model.save_pretrained(out)
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(Path(tiny_checkpoint("llama")) / name, out / name)
-    return out
+    return save_hf_llama(tmp_path_factory.mktemp("hf-llama"), tiny_checkpoint("llama"), 0, 128, 256, tie=False,
+                         max_positions=256)
 
 
 def dequantized_copy(src: Path, dst: Path, method: str) -> Path:
