@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from kvfleet_agent import cli_serve
-from kvfleet_agent.config import QUANTIZATIONS
+from kvfleet_agent.config import KV_CACHE_DTYPES, QUANTIZATIONS
 
 DEMO_DIR = os.path.join(os.path.expanduser("~"), ".cache", "kvfleet", "tiny-llama")
 DEMO_PROMPTS = [
@@ -48,6 +48,9 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--quantization", "-q", default=None, choices=list(QUANTIZATIONS),
                    help="int8 or int4: quantize an unquantized checkpoint's linear weights on load (weight-only); "
                         "gptq, awq, compressed-tensors, fp8: a checkpoint's own format (read from its config.json)")
+    g.add_argument("--kv-cache-dtype", default="auto", choices=list(KV_CACHE_DTYPES),
+                   help="auto: K/V in the model's dtype; int8 or fp8 (E4M3): one byte an element with a scale per "
+                        "token and head, about twice the sequences of bf16 in the same memory")
     g.add_argument("--speculative-config", default=None, metavar="JSON",
                    help='speculative decoding, as vLLM: e.g. \'{"method": "ngram", "num_speculative_tokens": 3, '
                         '"prompt_lookup_max": 4}\' (or "draft_model" with "model": DIR); "adaptive": false fixes k')
@@ -74,7 +77,8 @@ def _env_defaults(p: argparse.ArgumentParser) -> None:
 def _engine_options(a: argparse.Namespace) -> dict[str, object]:
     keys = ("dtype", "max_model_len", "max_num_seqs", "max_num_batched_tokens", "block_size",
             "kv_cache_memory_bytes", "gpu_memory_utilization", "enable_prefix_caching", "enable_chunked_prefill",
-            "seed", "num_threads", "tensor_parallel_size", "enforce_eager", "speculative_config", "quantization")
+            "seed", "num_threads", "tensor_parallel_size", "enforce_eager", "speculative_config", "quantization",
+            "kv_cache_dtype")
     return {k: getattr(a, k) for k in keys}
 
 

@@ -14,6 +14,9 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 # vLLM's --quantization names: int8 and int4 quantize an fp checkpoint on load; the others name the format of a
 # checkpoint quantized already (config.json's quantization_config says so, the flag may confirm it).
 QUANTIZATIONS = ("int8", "int4", "gptq", "awq", "compressed-tensors", "fp8")
+# vLLM's --kv-cache-dtype names: auto stores K/V in the model's dtype; int8 and fp8 (E4M3) store them with a
+# scale per token and head, about half the bytes of bf16 (a quarter of float32), so the pool holds more tokens.
+KV_CACHE_DTYPES = ("auto", "int8", "fp8", "fp8_e4m3")
 DEFAULT_TOKEN_BUDGET = {"cpu": 1024, "cuda": 8192}
 
 
@@ -46,6 +49,7 @@ class EngineConfig:
     # vLLM's --speculative-config (JSON text, a mapping, or parsed); None: no speculation.
     speculative_config: SpeculativeConfig | str | Mapping[str, Any] | None = None
     quantization: str | None = None  # one of QUANTIZATIONS; None: as the checkpoint is (quantized or not)
+    kv_cache_dtype: str = "auto"  # one of KV_CACHE_DTYPES
 
     def __post_init__(self) -> None:
         def bad(name: str, rule: str) -> ValueError:
@@ -73,6 +77,8 @@ class EngineConfig:
             raise bad("gpu_memory_utilization", "use a fraction in (0, 1]")
         if self.quantization is not None and self.quantization not in QUANTIZATIONS:
             raise bad("quantization", f"choose one of {', '.join(QUANTIZATIONS)}, or leave it unset")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise bad("kv_cache_dtype", f"choose one of {', '.join(KV_CACHE_DTYPES)}")
         if not isinstance(self.enforce_eager, bool):
             raise bad("enforce_eager", "use true or false")
         if self.speculative_config is not None and not isinstance(self.speculative_config, SpeculativeConfig):

@@ -71,35 +71,45 @@ def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
     return cast(torch.Tensor, ops.rotary(x, cos, sin))
 
 
+# The k_scale / v_scale arguments: [N, bs, KVH] float32 beside an int8 or fp8 cache (kv_quant.py), else None.
+Scales = torch.Tensor | None
+
+
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-             slot_mapping: torch.Tensor) -> None:
+             slot_mapping: torch.Tensor, k_scale: Scales = None, v_scale: Scales = None) -> None:
     if (ops := _kernels("kv_write", k)) is None:
-        reference.write_kv(k_cache, v_cache, k, v, slot_mapping)
+        reference.write_kv(k_cache, v_cache, k, v, slot_mapping, k_scale, v_scale)
     else:
-        ops.write_kv(k_cache, v_cache, k, v, slot_mapping)
+        ops.write_kv(k_cache, v_cache, k, v, slot_mapping, k_scale, v_scale)
 
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
-                           max_seq_len: int | None = None) -> torch.Tensor:
+                           max_seq_len: int | None = None, k_scale: Scales = None,
+                           v_scale: Scales = None) -> torch.Tensor:
     if (ops := _kernels("paged_attention", q)) is None:
-        return reference.paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, max_seq_len)
-    return cast(torch.Tensor,
-                ops.paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, max_seq_len))
+        return reference.paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, max_seq_len,
+                                                k_scale, v_scale)
+    return cast(torch.Tensor, ops.paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale,
+                                                         max_seq_len, k_scale, v_scale))
 
 
 def planned_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                             flat_block_index: torch.Tensor, valid: torch.Tensor, scale: float) -> torch.Tensor:
+                             flat_block_index: torch.Tensor, valid: torch.Tensor, scale: float, k_scale: Scales = None,
+                             v_scale: Scales = None) -> torch.Tensor:
     if (ops := _kernels("paged_attention", q)) is None:
-        return reference.planned_decode_attention(q, k_cache, v_cache, flat_block_index, valid, scale)
-    return cast(torch.Tensor, ops.planned_decode_attention(q, k_cache, v_cache, flat_block_index, valid, scale))
+        return reference.planned_decode_attention(q, k_cache, v_cache, flat_block_index, valid, scale, k_scale, v_scale)
+    return cast(torch.Tensor, ops.planned_decode_attention(q, k_cache, v_cache, flat_block_index, valid, scale,
+                                                           k_scale, v_scale))
 
 
 def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                            block_table: torch.Tensor, seq_len: int, scale: float) -> torch.Tensor:
+                            block_table: torch.Tensor, seq_len: int, scale: float, k_scale: Scales = None,
+                            v_scale: Scales = None) -> torch.Tensor:
     if (ops := _kernels("paged_attention", q)) is None:
-        return reference.paged_prefill_attention(q, k_cache, v_cache, block_table, seq_len, scale)
-    return cast(torch.Tensor, ops.paged_prefill_attention(q, k_cache, v_cache, block_table, seq_len, scale))
+        return reference.paged_prefill_attention(q, k_cache, v_cache, block_table, seq_len, scale, k_scale, v_scale)
+    return cast(torch.Tensor, ops.paged_prefill_attention(q, k_cache, v_cache, block_table, seq_len, scale,
+                                                          k_scale, v_scale))
 
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:

@@ -7,19 +7,39 @@ import torch
 import triton  # type: ignore[import-untyped]
 import triton.language as tl  # type: ignore[import-untyped]
 
+from kvfleet_kernels.kv_codec import decode as decode_codes
+from kvfleet_kernels.kv_write import as_codes, kv_quant_mode
+
 LOG2E = 1.4426950408889634  # softmax in base 2: exp2 is one instruction, exp is two
 MIN_SPLIT_LEN = 256  # context tokens below which splitting costs more (partials, a second launch) than it gains
 MASK_CHUNK = 1024  # decode plan's valid mask is summed in chunks of this many slots
 
 
 @triton.jit  # type: ignore[untyped-decorator]
+def _dequant_tile(k, v, ks_ptr, vs_ptr, s_off, n_ok, dtype: tl.constexpr,  # type: ignore[no-untyped-def]
+                  KV_QUANT: tl.constexpr):
+    # A quantized tile's codes become the query's dtype unscaled (int8 and E4M3 values are exact in fp16/bf16),
+    # so the dots stay 16-bit; the per-key scales are applied to the scores and the probabilities instead
+    # (s · k_scale, (p · v_scale) · V): one multiply per key rather than per element.
+    if KV_QUANT:  # a constexpr branch: only one side is compiled, so k and v may change type
+        ks = tl.load(ks_ptr + s_off, mask=n_ok, other=0.0)
+        vs = tl.load(vs_ptr + s_off, mask=n_ok, other=0.0)
+        k = decode_codes(k, KV_QUANT, dtype)
+        v = decode_codes(v, KV_QUANT, dtype)
+    else:
+        ks = tl.where(n_ok, 1.0, 1.0)
+        vs = ks
+    return k, v, ks, vs
+
+
+@triton.jit  # type: ignore[untyped-decorator]
 def _decode_kernel(  # type: ignore[no-untyped-def]
-        q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, valid_ptr, out_ptr, part_ml_ptr, part_acc_ptr,
+        q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, tables_ptr, lens_ptr, valid_ptr, out_ptr, part_ml_ptr, part_acc_ptr,
         scale_log2e, split_len, padded_len,
-        s_qb, s_qh, s_kn, s_ks, s_kh, s_vn, s_vs, s_vh, s_tb, s_validb, s_ob, s_oh,
+        s_qb, s_qh, s_kn, s_ks, s_kh, s_vn, s_vs, s_vh, s_sn, s_ss, s_sh, s_tb, s_validb, s_ob, s_oh,
         GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_G: tl.constexpr,
         BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, USE_VALID: tl.constexpr, SPLIT: tl.constexpr,
-        PRECISION: tl.constexpr, CHUNK: tl.constexpr):
+        PRECISION: tl.constexpr, CHUNK: tl.constexpr, KV_QUANT: tl.constexpr):
     # One program: one sequence, one KV head with all its GROUP query heads (each K/V tile is read once
     # for the whole group), one slice of the context. Rows of the [BLOCK_G, D] query tile past GROUP are padding.
     b = tl.program_id(0)
@@ -49,15 +69,17 @@ def _decode_kernel(  # type: ignore[no-untyped-def]
         block = tl.load(tables_ptr + b * s_tb + n // BLOCK_SIZE, mask=n_ok, other=0).to(tl.int64)
         slot = n % BLOCK_SIZE
         kv_mask = n_ok[:, None] & d_ok[None, :]
-        k = tl.load(k_ptr + (block * s_kn + slot * s_ks + kvh * s_kh)[:, None] + d[None, :], mask=kv_mask, other=0.0)
-        v = tl.load(v_ptr + (block * s_vn + slot * s_vs + kvh * s_vh)[:, None] + d[None, :], mask=kv_mask, other=0.0)
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2e
+        k = tl.load(k_ptr + (block * s_kn + slot * s_ks + kvh * s_kh)[:, None] + d[None, :], mask=kv_mask, other=0)
+        v = tl.load(v_ptr + (block * s_vn + slot * s_vs + kvh * s_vh)[:, None] + d[None, :], mask=kv_mask, other=0)
+        k, v, ks, vs = _dequant_tile(k, v, ks_ptr, vs_ptr, block * s_sn + slot * s_ss + kvh * s_sh, n_ok, q.dtype,
+                                     KV_QUANT)
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * (ks[None, :] * scale_log2e)
         s = tl.where(n_ok[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))  # finite: every tile holds at least one valid slot
         p = tl.exp2(s - m_new[:, None])
         alpha = tl.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        acc = acc * alpha[:, None] + tl.dot((p * vs[None, :]).to(v.dtype), v, input_precision=PRECISION)
         m_i = m_new
     if SPLIT:  # partial results (max and sum in base 2, unnormalised output), combined by _combine_kernel
         row = (b * tl.num_programs(1) * GROUP + heads) * tl.num_programs(2) + split
@@ -95,10 +117,11 @@ def _combine_kernel(  # type: ignore[no-untyped-def]
 
 @triton.jit  # type: ignore[untyped-decorator]
 def _prefill_kernel(  # type: ignore[no-untyped-def]
-        q_ptr, k_ptr, v_ptr, table_ptr, out_ptr, scale_log2e, q_len, seq_len,
-        s_qt, s_qh, s_kn, s_ks, s_kh, s_vn, s_vs, s_vh, s_t, s_ot, s_oh,
+        q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, table_ptr, out_ptr, scale_log2e, q_len, seq_len,
+        s_qt, s_qh, s_kn, s_ks, s_kh, s_vn, s_vs, s_vh, s_sn, s_ss, s_sh, s_t, s_ot, s_oh,
         GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-        PAGED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr):
+        PAGED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
+        KV_QUANT: tl.constexpr):
     # One program: BLOCK_M consecutive queries of one head. Query i sits at position seq_len - q_len + i and
     # sees keys 0..that position: through the block table (PAGED) or in a dense [L, KVH, D] tensor.
     mb = tl.program_id(0)
@@ -121,19 +144,22 @@ def _prefill_kernel(  # type: ignore[no-untyped-def]
             block = tl.load(table_ptr + (n // BLOCK_SIZE) * s_t, mask=n_ok, other=0).to(tl.int64)
             k_off = block * s_kn + (n % BLOCK_SIZE) * s_ks
             v_off = block * s_vn + (n % BLOCK_SIZE) * s_vs
+            s_off = block * s_sn + (n % BLOCK_SIZE) * s_ss
         else:
             k_off = n.to(tl.int64) * s_kn
             v_off = n.to(tl.int64) * s_vn
+            s_off = k_off  # unused: a dense K/V is never quantized
         kv_mask = n_ok[:, None] & d_ok[None, :]
-        k = tl.load(k_ptr + (k_off + kvh * s_kh)[:, None] + d[None, :], mask=kv_mask, other=0.0)
-        v = tl.load(v_ptr + (v_off + kvh * s_vh)[:, None] + d[None, :], mask=kv_mask, other=0.0)
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2e
+        k = tl.load(k_ptr + (k_off + kvh * s_kh)[:, None] + d[None, :], mask=kv_mask, other=0)
+        v = tl.load(v_ptr + (v_off + kvh * s_vh)[:, None] + d[None, :], mask=kv_mask, other=0)
+        k, v, ks, vs = _dequant_tile(k, v, ks_ptr, vs_ptr, s_off + kvh * s_sh, n_ok, q.dtype, KV_QUANT)
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * (ks[None, :] * scale_log2e)
         s = tl.where((n[None, :] <= pos[:, None]) & n_ok[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))  # finite: key 0 is visible to every row, so the first tile sets it
         p = tl.exp2(s - m_new[:, None])
         alpha = tl.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        acc = acc * alpha[:, None] + tl.dot((p * vs[None, :]).to(v.dtype), v, input_precision=PRECISION)
         m_i = m_new
     out = acc / l_i[:, None]
     tl.store(out_ptr + m[:, None] * s_ot + h * s_oh + d[None, :], out.to(out_ptr.dtype.element_ty),
@@ -150,8 +176,16 @@ def _precision(dtype: torch.dtype) -> str:
 DECODE_WARPS = PREFILL_WARPS = 8
 
 
-def _block_n(dtype: torch.dtype) -> int:
-    return 32 if dtype == torch.float32 else 64
+def _block_n(dtype: torch.dtype, quantized: bool = False, prefill: bool = False) -> int:
+    # A quantized tile's decode to the compute dtype needs registers of its own: smaller tiles (measured as above).
+    if dtype == torch.float32:
+        return 16 if quantized else 32
+    return 32 if quantized and prefill else 64
+
+
+def _prefill_block_m(dtype: torch.dtype, quantized: bool, t: int) -> int:
+    """Queries per prefill tile: up to 64, 16 for float32 queries over a quantized cache (no spills at 32)."""
+    return min(16 if quantized and dtype == torch.float32 else 64, max(16, int(triton.next_power_of_2(t))))
 
 
 def _last_dim_contiguous(*tensors: torch.Tensor) -> None:
@@ -175,16 +209,29 @@ def decode_splits(programs: int, max_len: int, block_n: int, sm_count: int) -> t
     return triton.cdiv(max_len, split_len), split_len
 
 
+def _scales(k_cache: torch.Tensor, k_scale: torch.Tensor | None,
+            v_scale: torch.Tensor | None) -> tuple[int, torch.Tensor, torch.Tensor, tuple[int, ...]]:
+    """(KV_QUANT, the scale tensors, their strides) for a cache; a float cache passes itself as unused pointers."""
+    mode = kv_quant_mode(k_cache)
+    if not mode:
+        return 0, k_cache, k_cache, (0, 0, 0)
+    if k_scale is None or v_scale is None:
+        raise ValueError(f"a {k_cache.dtype} KV cache needs its k_scale and v_scale tensors")
+    return mode, k_scale, v_scale, tuple(k_scale.stride()[:3])
+
+
 def _decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, tables: torch.Tensor,
             lens: torch.Tensor | None, valid: torch.Tensor | None, max_len: int, scale: float,
-            out: torch.Tensor | None, num_splits: int | None, block_n: int | None) -> torch.Tensor:
+            out: torch.Tensor | None, num_splits: int | None, block_n: int | None,
+            k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> torch.Tensor:
     b, h, d = q.shape
+    mode, ks, vs, s_strides = _scales(k_cache, k_scale, v_scale)
     kvh, bs = k_cache.shape[2], k_cache.shape[1]
     _last_dim_contiguous(q, k_cache, v_cache)
     out = torch.empty_like(q) if out is None else out
     if b == 0:
         return out
-    block_n = block_n or _block_n(q.dtype)
+    block_n = block_n or _block_n(q.dtype, mode > 0)
     splits, split_len = decode_splits(b * kvh, max(max_len, 1), block_n, _sm_count(q.device))
     if num_splits is not None:  # tests and tuning
         split_len = triton.cdiv(triton.cdiv(max(max_len, 1), num_splits), block_n) * block_n
@@ -196,13 +243,13 @@ def _decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, table
     lens_arg = lens if lens is not None else tables  # unused pointer when the valid mask gives the lengths
     valid_arg = valid.view(torch.uint8) if valid is not None else tables
     _decode_kernel[(b, kvh, splits)](
-        q, k_cache, v_cache, tables, lens_arg, valid_arg, out, parts[0], parts[1],
+        q, as_codes(k_cache), as_codes(v_cache), ks, vs, tables, lens_arg, valid_arg, out, parts[0], parts[1],
         scale * LOG2E, split_len, valid.shape[1] if valid is not None else 0,
-        q.stride(0), q.stride(1), *k_cache.stride()[:3], *v_cache.stride()[:3], tables.stride(0),
+        q.stride(0), q.stride(1), *k_cache.stride()[:3], *v_cache.stride()[:3], *s_strides, tables.stride(0),
         valid.stride(0) if valid is not None else 0, out.stride(0), out.stride(1),
         GROUP=group, HEAD_DIM=d, BLOCK_D=block_d, BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_SIZE=bs,
         BLOCK_N=block_n, USE_VALID=valid is not None, SPLIT=splits > 1, PRECISION=_precision(q.dtype), CHUNK=MASK_CHUNK,
-        num_warps=DECODE_WARPS)
+        KV_QUANT=mode, num_warps=DECODE_WARPS)
     if splits > 1:
         _combine_kernel[(b, h)](parts[0], parts[1], out, splits, out.stride(0), out.stride(1),
                                 HEAD_DIM=d, BLOCK_D=block_d, BLOCK_S=triton.next_power_of_2(splits), num_warps=4)
@@ -211,49 +258,58 @@ def _decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, table
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
-                           max_seq_len: int | None = None, *, out: torch.Tensor | None = None,
+                           max_seq_len: int | None = None, k_scale: torch.Tensor | None = None,
+                           v_scale: torch.Tensor | None = None, *, out: torch.Tensor | None = None,
                            num_splits: int | None = None, block_n: int | None = None) -> torch.Tensor:
     """reference.paged_decode_attention. Without max_seq_len the table width bounds the context (no host sync)."""
     max_len = max_seq_len if max_seq_len is not None else block_tables.shape[1] * k_cache.shape[1]
-    return _decode(q, k_cache, v_cache, block_tables, seq_lens, None, max_len, scale, out, num_splits, block_n)
+    return _decode(q, k_cache, v_cache, block_tables, seq_lens, None, max_len, scale, out, num_splits, block_n,
+                   k_scale, v_scale)
 
 
 def planned_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                             flat_block_index: torch.Tensor, valid: torch.Tensor, scale: float, *,
+                             flat_block_index: torch.Tensor, valid: torch.Tensor, scale: float,
+                             k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None, *,
                              out: torch.Tensor | None = None, num_splits: int | None = None,
                              block_n: int | None = None) -> torch.Tensor:
     """reference.planned_decode_attention: the plan's flat index is the block tables, its mask the lengths."""
     tables = flat_block_index.view(q.shape[0], -1) if q.shape[0] else flat_block_index.view(0, 0)
-    return _decode(q, k_cache, v_cache, tables, None, valid, valid.shape[1], scale, out, num_splits, block_n)
+    return _decode(q, k_cache, v_cache, tables, None, valid, valid.shape[1], scale, out, num_splits, block_n,
+                   k_scale, v_scale)
 
 
 def _prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, table: torch.Tensor | None, seq_len: int,
-             scale: float, out: torch.Tensor | None, block_m: int | None, block_n: int | None) -> torch.Tensor:
+             scale: float, out: torch.Tensor | None, block_m: int | None, block_n: int | None,
+             k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> torch.Tensor:
     t, h, d = q.shape
+    mode, ks, vs, s_strides = _scales(k, k_scale, v_scale)
     _last_dim_contiguous(q, k, v)
     out = torch.empty_like(q) if out is None else out
     if t == 0:
         return out
     paged = table is not None
     kvh = k.shape[2] if paged else k.shape[1]
-    block_m = block_m or min(64, max(16, triton.next_power_of_2(t)))
-    block_n = block_n or _block_n(q.dtype)
+    block_m = block_m or _prefill_block_m(q.dtype, mode > 0, t)
+    block_n = block_n or _block_n(q.dtype, mode > 0, prefill=True)
     # Paged: strides of [N, bs, KVH, D]; dense: [L, KVH, D] read as blocks of one token.
-    ks = k.stride()[:3] if paged else (k.stride(0), 0, k.stride(1))
-    vs = v.stride()[:3] if paged else (v.stride(0), 0, v.stride(1))
+    k_strides = k.stride()[:3] if paged else (k.stride(0), 0, k.stride(1))
+    v_strides = v.stride()[:3] if paged else (v.stride(0), 0, v.stride(1))
     _prefill_kernel[(triton.cdiv(t, block_m), h)](
-        q, k, v, table if paged else k, out, scale * LOG2E, t, seq_len,
-        q.stride(0), q.stride(1), *ks, *vs, table.stride(0) if table is not None else 0, out.stride(0), out.stride(1),
+        q, as_codes(k), as_codes(v), ks, vs, table if paged else k, out, scale * LOG2E, t, seq_len,
+        q.stride(0), q.stride(1), *k_strides, *v_strides, *s_strides, table.stride(0) if table is not None else 0,
+        out.stride(0), out.stride(1),
         GROUP=h // kvh, HEAD_DIM=d, BLOCK_D=triton.next_power_of_2(d), BLOCK_SIZE=k.shape[1] if paged else 1,
-        PAGED=paged, BLOCK_M=block_m, BLOCK_N=block_n, PRECISION=_precision(q.dtype), num_warps=PREFILL_WARPS)
+        PAGED=paged, BLOCK_M=block_m, BLOCK_N=block_n, PRECISION=_precision(q.dtype), KV_QUANT=mode,
+        num_warps=PREFILL_WARPS)
     return out
 
 
 def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
-                            seq_len: int, scale: float, *, out: torch.Tensor | None = None,
+                            seq_len: int, scale: float, k_scale: torch.Tensor | None = None,
+                            v_scale: torch.Tensor | None = None, *, out: torch.Tensor | None = None,
                             block_m: int | None = None, block_n: int | None = None) -> torch.Tensor:
     """reference.paged_prefill_attention: the chunk's last-T queries over the sequence's paged context."""
-    return _prefill(q, k_cache, v_cache, block_table, seq_len, scale, out, block_m, block_n)
+    return _prefill(q, k_cache, v_cache, block_table, seq_len, scale, out, block_m, block_n, k_scale, v_scale)
 
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, *,

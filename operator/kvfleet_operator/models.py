@@ -109,8 +109,9 @@ class RuntimeSpec(SpecModel):
     awq, compressed-tensors and fp8 name a pre-quantized checkpoint's format (optional: its config.json says it).
     Default: the checkpoint decides. fp8 needs dtype bfloat16, float16 or auto."""
     kv_cache_dtype: KvCacheDtype | None = Field(default=None, json_schema_extra=KV_CACHE_DTYPE.schema())
-    """KV cache element type (--kv-cache-dtype; default: auto, the model's dtype). This agent image runs auto only:
-    int8 and fp8 are refused."""
+    """KV cache element type (--kv-cache-dtype; default: auto, the model's dtype). int8 and fp8 (E4M3; fp8_e4m3 is the
+    same) store one byte an element with a float32 scale per token and head: about twice the sequences of bfloat16 in
+    the same memory, at a small cost in accuracy (BENCHMARKS.md)."""
     max_model_len: int | None = Field(default=None, ge=1, le=1048576)
     """Longest prompt plus output in tokens (default: the checkpoint's)."""
     max_num_seqs: int = Field(default=128, ge=1, le=4096)

@@ -10,7 +10,7 @@ from kvfleet_operator.rules import Rule, cel
 # vLLM's spellings. int8 and int4 quantize an fp checkpoint's weights as it loads; the others name a pre-quantized
 # checkpoint's own format, which the agent otherwise reads from its config.json (quantization_config).
 Quantization = Literal["int8", "int4", "gptq", "awq", "compressed-tensors", "fp8"]
-KvCacheDtype = Literal["auto", "int8", "fp8"]
+KvCacheDtype = Literal["auto", "int8", "fp8", "fp8_e4m3"]  # fp8 is E4M3, as in vLLM
 QUANTIZATIONS: tuple[str, ...] = get_args(Quantization)
 KV_CACHE_DTYPES: tuple[str, ...] = get_args(KvCacheDtype)
 
@@ -18,7 +18,7 @@ KV_CACHE_DTYPES: tuple[str, ...] = get_args(KvCacheDtype)
 # imports nothing of the agent. A name the CRD knows but the image does not run is refused at admission; when the
 # agent gains one, add it here and regenerate the CRD (python -m kvfleet_operator.crd).
 SUPPORTED_QUANTIZATIONS: tuple[str, ...] = QUANTIZATIONS
-SUPPORTED_KV_CACHE_DTYPES: tuple[str, ...] = ("auto",)
+SUPPORTED_KV_CACHE_DTYPES: tuple[str, ...] = KV_CACHE_DTYPES
 
 
 def _cel_string(text: str) -> str:

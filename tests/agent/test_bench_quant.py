@@ -62,10 +62,13 @@ def test_agreement_counts_tokens_up_to_the_first_difference() -> None:
     assert agreement(ref, [[1, 2, 9, 4], [5, 6, 7, 8]]) == (6 / 8, 0.5)  # the 4 after the 9 does not count
 
 
-def test_formats_name_a_flag_or_a_directory() -> None:
-    assert parse_format("int8", "/m") == ("int8", "/m", "int8")
-    assert parse_format("fp32", "/m") == ("fp32", "/m", None)
-    assert parse_format("gptq=/ckpt", "/m") == ("gptq", "/ckpt", None)
+def test_formats_name_a_flag_or_a_directory_and_a_kv_cache_dtype() -> None:
+    assert parse_format("int8", "/m") == ("int8", "/m", "int8", "auto")
+    assert parse_format("fp32", "/m") == ("fp32", "/m", None, "auto")
+    assert parse_format("gptq=/ckpt", "/m") == ("gptq", "/ckpt", None, "auto")
+    assert parse_format("kv-int8", "/m") == ("kv-int8", "/m", None, "int8")
+    assert parse_format("int4+kv-fp8", "/m") == ("int4+kv-fp8", "/m", "int4", "fp8")
+    assert parse_format("gptq+kv-int8=/ckpt", "/m") == ("gptq+kv-int8", "/ckpt", None, "int8")
 
 
 def test_a_written_gptq_checkpoint_serves_what_its_dequantized_weights_compute(

@@ -33,6 +33,8 @@ H200 = GPUTarget("cuda", 90, 32)
 CUOBJDUMP = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
 SHARED_LIMIT = 227 * 1024  # opt-in shared memory per block on sm_90
 TY = {torch.bfloat16: "bf16", torch.float32: "fp32"}
+# A quantized KV cache as the kernels address it (kv_write.as_codes): int8, or fp8's bytes; 0 is a float cache.
+KV = {0: None, 1: "i8", 2: "u8"}
 
 
 def compile_h200(kernel: Any, pointers: dict[str, str], floats: set[str], constexprs: dict[str, Any],
@@ -60,36 +62,48 @@ def assert_fits(shared: int, stack: int) -> None:
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize(("use_valid", "split"), [(True, True), (False, False)])
-def test_decode_compiles_without_spills(dtype: torch.dtype, use_valid: bool, split: bool) -> None:
+@pytest.mark.parametrize(("use_valid", "split", "kv_quant"), [(True, True, 0), (False, False, 0), (True, True, 1),
+                                                              (False, False, 2)])
+def test_decode_compiles_without_spills(dtype: torch.dtype, use_valid: bool, split: bool, kv_quant: int) -> None:
     e = TY[dtype]
+    kv = KV[kv_quant] or e
     part = "fp32" if split else e
     assert_fits(*compile_h200(
         pa._decode_kernel,
-        {"q_ptr": e, "k_ptr": e, "v_ptr": e, "tables_ptr": "i64", "lens_ptr": "i64", "valid_ptr": "u8",
-         "out_ptr": e, "part_ml_ptr": part, "part_acc_ptr": part}, {"scale_log2e"},
-        {"GROUP": 4, "HEAD_DIM": 128, "BLOCK_D": 128, "BLOCK_G": 16, "BLOCK_SIZE": 16, "BLOCK_N": pa._block_n(dtype),
-         "USE_VALID": use_valid, "SPLIT": split, "PRECISION": pa._precision(dtype), "CHUNK": pa.MASK_CHUNK},
-        pa.DECODE_WARPS))
+        {"q_ptr": e, "k_ptr": kv, "v_ptr": kv, "ks_ptr": "fp32", "vs_ptr": "fp32", "tables_ptr": "i64",
+         "lens_ptr": "i64", "valid_ptr": "u8", "out_ptr": e, "part_ml_ptr": part, "part_acc_ptr": part},
+        {"scale_log2e"},
+        {"GROUP": 4, "HEAD_DIM": 128, "BLOCK_D": 128, "BLOCK_G": 16, "BLOCK_SIZE": 16,
+         "BLOCK_N": pa._block_n(dtype, kv_quant > 0),
+         "USE_VALID": use_valid, "SPLIT": split, "PRECISION": pa._precision(dtype), "CHUNK": pa.MASK_CHUNK,
+         "KV_QUANT": kv_quant}, pa.DECODE_WARPS))
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("paged", [True, False])
-def test_prefill_compiles_without_spills(dtype: torch.dtype, paged: bool) -> None:
+@pytest.mark.parametrize(("paged", "kv_quant"), [(True, 0), (False, 0), (True, 1), (True, 2)])
+def test_prefill_compiles_without_spills(dtype: torch.dtype, paged: bool, kv_quant: int) -> None:
     e = TY[dtype]
+    kv = KV[kv_quant] or e
     assert_fits(*compile_h200(
-        pa._prefill_kernel, {"q_ptr": e, "k_ptr": e, "v_ptr": e, "table_ptr": "i64", "out_ptr": e}, {"scale_log2e"},
+        pa._prefill_kernel, {"q_ptr": e, "k_ptr": kv, "v_ptr": kv, "ks_ptr": "fp32", "vs_ptr": "fp32",
+                             "table_ptr": "i64", "out_ptr": e}, {"scale_log2e"},
         {"GROUP": 4, "HEAD_DIM": 128, "BLOCK_D": 128, "BLOCK_SIZE": 16 if paged else 1, "PAGED": paged,
-         "BLOCK_M": 64, "BLOCK_N": pa._block_n(dtype), "PRECISION": pa._precision(dtype)}, pa.PREFILL_WARPS))
+         "BLOCK_M": pa._prefill_block_m(dtype, kv_quant > 0, 4096), "BLOCK_N": pa._block_n(dtype, kv_quant > 0, True),
+         "PRECISION": pa._precision(dtype), "KV_QUANT": kv_quant},
+        pa.PREFILL_WARPS))
 
 
 def test_combine_kv_write_norm_rotary_compile() -> None:
     e = "bf16"
     assert_fits(*compile_h200(pa._combine_kernel, {"part_ml_ptr": "fp32", "part_acc_ptr": "fp32", "out_ptr": e},
                               set(), {"HEAD_DIM": 128, "BLOCK_D": 128, "BLOCK_S": 16}, 4))
-    assert_fits(*compile_h200(kv_write._write_kv_kernel,
-                              {"k_ptr": e, "v_ptr": e, "k_cache_ptr": e, "v_cache_ptr": e, "slot_ptr": "i64"}, set(),
-                              {"HEAD_DIM": 128, "BLOCK_D": 128, "BLOCK_H": 8, "BLOCK_SIZE": 16}, 4))
+    for mode, kv in KV.items():
+        scale = "fp32" if kv else e
+        assert_fits(*compile_h200(kv_write._write_kv_kernel,
+                                  {"k_ptr": e, "v_ptr": e, "k_cache_ptr": kv or e, "v_cache_ptr": kv or e,
+                                   "k_scale_ptr": scale, "v_scale_ptr": scale, "slot_ptr": "i64"}, set(),
+                                  {"HEAD_DIM": 128, "BLOCK_D": 128, "BLOCK_H": 8, "BLOCK_SIZE": 16, "KV_QUANT": mode,
+                                   "QMAX": 127.0 if mode == 1 else 448.0, "MIN_AMAX": 1e-12}, 4))
     assert_fits(*compile_h200(fused._rms_norm_kernel,
                               {"x_ptr": e, "res_ptr": e, "w_ptr": e, "out_ptr": e, "res_out_ptr": e}, {"eps"},
                               {"HAS_RESIDUAL": True, "BLOCK": 4096}, 16))

@@ -23,8 +23,11 @@ from kvfleet_operator.plan import child_keys, make_plan
 from kvfleet_operator.rules import Rule
 
 BASE: dict[str, Any] = {"model": {"name": "m", "source": {"pvc": {"claimName": "c"}}}}
-KV_FP8 = ("spec.runtime.kvCacheDtype 'fp8' is not supported by this agent image (kvfleet agent supports: auto); "
-          "remove the field or set it to auto")
+FP8_FLOAT32 = ("spec.runtime.quantization fp8 cannot run with spec.runtime.dtype float32 (FP8 weights compute in "
+               "bfloat16 or float16): set dtype to bfloat16 or float16, or leave it auto")
+# An image that ran only the model's dtype in its KV cache (as kvfleet's did before int8/fp8): the refusal machinery
+# every Support field uses when the CRD names more than the image runs.
+OLD_KV = qm.Support("kvCacheDtype", qm.KV_CACHE_DTYPES, ("auto",))
 
 
 def spec(**runtime: Any) -> InferenceDeploymentSpec:
@@ -48,11 +51,7 @@ def runtime_schema() -> dict[str, Any]:
 
 # (case, spec.runtime, the rule it breaks, the message pydantic raises and the apiserver reports).
 CASES: list[tuple[str, dict[str, Any], Rule | None, str]] = [
-    ("kvCacheDtype fp8", {"kvCacheDtype": "fp8"}, qm.KV_CACHE_DTYPE.rule, KV_FP8),
-    ("kvCacheDtype int8", {"kvCacheDtype": "int8"}, qm.KV_CACHE_DTYPE.rule, KV_FP8.replace("'fp8'", "'int8'")),
-    ("fp8 weights with dtype float32", {"quantization": "fp8", "dtype": "float32"}, qm.FP8_DTYPE_RULE,
-     "spec.runtime.quantization fp8 cannot run with spec.runtime.dtype float32 (FP8 weights compute in bfloat16 or "
-     "float16): set dtype to bfloat16 or float16, or leave it auto"),
+    ("fp8 weights with dtype float32", {"quantization": "fp8", "dtype": "float32"}, qm.FP8_DTYPE_RULE, FP8_FLOAT32),
 ]
 
 
@@ -80,24 +79,30 @@ def _eval_message_expression(expr: str, value: str) -> str:
 
 
 @pytest.mark.parametrize("value", qm.KV_CACHE_DTYPES)
-def test_the_cel_rule_refuses_what_pydantic_refuses_with_the_same_message(value: str) -> None:
-    rule = qm.KV_CACHE_DTYPE.rule
+def test_the_cel_rule_refuses_what_pydantic_refuses_with_the_same_message(value: str,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(qm, "KV_CACHE_DTYPE", OLD_KV)
+    rule = OLD_KV.rule
     assert rule is not None and rule.message_expression is not None
     allowed = ast.literal_eval(rule.rule.removeprefix("self in "))
-    assert (value in allowed) == (value in qm.SUPPORTED_KV_CACHE_DTYPES)
+    assert (value in allowed) == (value == "auto")
     if value in allowed:
         assert spec(kvCacheDtype=value).runtime.kv_cache_dtype == value
         return
     with pytest.raises(ValidationError) as e:
         spec(kvCacheDtype=value)
-    assert _eval_message_expression(rule.message_expression, value) in str(e.value)
+    message = _eval_message_expression(rule.message_expression, value)
+    assert message == (f"spec.runtime.kvCacheDtype '{value}' is not supported by this agent image (kvfleet agent "
+                       "supports: auto); remove the field or set it to auto")
+    assert message in str(e.value)
     assert value in rule.message  # the static message (if the expression fails) names every refused value
 
 
 def test_what_this_image_runs_is_declared() -> None:
     assert qm.QUANTIZATIONS == ("int8", "int4", "gptq", "awq", "compressed-tensors", "fp8")
     assert qm.SUPPORTED_QUANTIZATIONS == qm.QUANTIZATIONS and qm.QUANTIZATION.rule is None  # all six: no rule
-    assert qm.KV_CACHE_DTYPES == ("auto", "int8", "fp8") and qm.SUPPORTED_KV_CACHE_DTYPES == ("auto",)
+    assert qm.KV_CACHE_DTYPES == ("auto", "int8", "fp8", "fp8_e4m3")
+    assert qm.SUPPORTED_KV_CACHE_DTYPES == qm.KV_CACHE_DTYPES and qm.KV_CACHE_DTYPE.rule is None
 
 
 def test_the_agent_runs_at_least_what_is_declared_once_it_has_the_flags() -> None:
@@ -133,9 +138,10 @@ def test_accepted_specs_and_their_flags(runtime: dict[str, Any], rendered: list[
     assert flags(spec(**runtime)) == rendered
 
 
-def test_a_kv_cache_dtype_the_image_runs_is_rendered(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(qm, "KV_CACHE_DTYPE", qm.Support("kvCacheDtype", qm.KV_CACHE_DTYPES, qm.KV_CACHE_DTYPES))
-    assert flags(spec(quantization="awq", kvCacheDtype="fp8")) == ["--quantization", "awq", "--kv-cache-dtype", "fp8"]
+@pytest.mark.parametrize("value", ["int8", "fp8", "fp8_e4m3"])
+def test_a_kv_cache_dtype_the_image_runs_is_rendered(value: str) -> None:
+    assert flags(spec(quantization="awq", kvCacheDtype=value)) == ["--quantization", "awq", "--kv-cache-dtype", value]
+    assert flags(spec(kvCacheDtype=value, dtype="float32")) == ["--kv-cache-dtype", value]  # any compute dtype
 
 
 def test_unknown_names_are_refused_by_the_schema() -> None:
@@ -162,14 +168,13 @@ def test_the_crd_holds_both_fields_unset_by_default() -> None:
     for name in ("quantization", "kvCacheDtype"):
         assert "default" not in props[name] and name not in runtime["default"], name
         assert "--" in props[name]["description"], name  # names the agent flag
-    assert "x-kubernetes-validations" not in props["quantization"]  # the image runs every name
-    kv_rule = qm.KV_CACHE_DTYPE.rule
-    assert kv_rule is not None and props["kvCacheDtype"]["x-kubernetes-validations"] == [kv_rule.cel()]
+    for name in ("quantization", "kvCacheDtype"):
+        assert "x-kubernetes-validations" not in props[name], name  # the image runs every name
     assert qm.FP8_DTYPE_RULE.cel() in runtime["x-kubernetes-validations"]
 
 
 def test_an_object_the_old_crd_admitted_is_reported_invalid_with_the_message() -> None:
-    body = cr({**BASE, "runtime": {"kvCacheDtype": "fp8"}})
+    body = cr({**BASE, "runtime": {"quantization": "fp8", "dtype": "float32"}})
     plan = make_plan(body, {key: None for key in child_keys("m")}, OperatorConfig(agent_image="agent:test"), None)
     assert plan.invalid is not None and plan.invalid.reason == "InvalidSpec" and plan.writes == ()
-    assert KV_FP8 in plan.invalid.message
+    assert FP8_FLOAT32 in plan.invalid.message

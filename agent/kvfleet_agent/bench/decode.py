@@ -20,13 +20,14 @@ from typing import NoReturn
 import numpy as np
 import torch
 
-from kvfleet_agent.config import QUANTIZATIONS, EngineConfig
+from kvfleet_agent.config import KV_CACHE_DTYPES, QUANTIZATIONS, EngineConfig
 from kvfleet_agent.core.scheduler_output import ScheduledChunk
 from kvfleet_agent.models.config import ModelConfig
 from kvfleet_agent.sampling_params import SamplingParams
 from kvfleet_agent.worker.device import rank_device
 from kvfleet_agent.worker.model_runner import ModelRunner
 from kvfleet_agent.worker.step_batch import StepBatch, plan_batch
+from kvfleet_kernels import kv_quant
 
 # python -m kvfleet_agent.bench.decode --model DIR [--make llama3-8b|tiny] --batch 1 8 32 128 --context 1024 \
 #     --dtype bfloat16 [--enforce-eager] [--steps N] [--warmup N] [--json OUT]
@@ -119,13 +120,15 @@ def model_len_limit(cfg: ModelConfig) -> int:
 
 
 def build_runner(model: str, dtype: str, device: str, max_num_seqs: int, max_model_len: int,
-                 blocks_per_seq: int, enforce_eager: bool, quantization: str | None = None) -> ModelRunner:
+                 blocks_per_seq: int, enforce_eager: bool, quantization: str | None = None,
+                 kv_cache_dtype: str = "auto") -> ModelRunner:
     """A runner as LLMEngine builds one, but with a pool of exactly max_num_seqs full sequences.
 
     Same order as the engine: allocate the pool, warm up, then capture the decode graphs (they read the pool).
     """
     config = EngineConfig(model=model, dtype=dtype, device=device, max_model_len=max_model_len,
-                          max_num_seqs=max_num_seqs, enforce_eager=enforce_eager, quantization=quantization)
+                          max_num_seqs=max_num_seqs, enforce_eager=enforce_eager, quantization=quantization,
+                          kv_cache_dtype=kv_cache_dtype)
     config.resolve(rank_device(config, 0).type, max_model_len)
     runner = ModelRunner(config, ModelConfig.from_dir(model), max_model_len)
     runner.allocate_kv_cache(max_num_seqs * blocks_per_seq)
@@ -249,10 +252,11 @@ def copy_bandwidth(device: torch.device, nbytes: int | None = None) -> float:
 
 
 def kv_bytes_per_step(runner: ModelRunner, batch: int, context: int) -> int:
-    """K and V a decode step must read: batch × context tokens × layers × 2 × kv_heads × head_dim × elem."""
+    """K and V a decode step must read: batch × context tokens × layers × 2 × kv_heads × a row's bytes (head_dim
+    elements, and an int8/fp8 cache's scale)."""
     layer = runner.attn_layers[0]
-    elem = layer.k_cache.element_size()
-    return batch * context * len(runner.attn_layers) * 2 * layer.num_kv_heads * layer.head_dim * elem
+    row = kv_quant.bytes_per_row(layer.head_dim, layer.k_cache.dtype)
+    return batch * context * len(runner.attn_layers) * 2 * layer.num_kv_heads * row
 
 
 def weight_bytes_per_step(runner: ModelRunner, batch: int) -> int:
@@ -299,6 +303,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs (every kernel launched per step)")
     p.add_argument("--quantization", choices=list(QUANTIZATIONS), default=None,
                    help="as the engine's flag: int8/int4 quantize on load; the roofline counts the bytes held")
+    p.add_argument("--kv-cache-dtype", choices=list(KV_CACHE_DTYPES), default="auto",
+                   help="as the engine's flag; the roofline counts the cache's bytes (scales included)")
     p.add_argument("--steps", type=int, default=64, help="timed decode steps per batch size")
     p.add_argument("--warmup", type=int, default=8, help="untimed decode steps before them")
     p.add_argument("--seed", type=int, default=0, help="seed of the random prompt tokens")
@@ -338,7 +344,7 @@ def run(a: argparse.Namespace, argv: Sequence[str], progress: Progress = stderr_
     start = time.perf_counter()
     blocks_per_seq = -(-max_model_len // EngineConfig(model=a.model).block_size)  # the engine's default
     runner = build_runner(a.model, a.dtype, a.device, max_batch, max_model_len, blocks_per_seq, a.enforce_eager,
-                          a.quantization)
+                          a.quantization, a.kv_cache_dtype)
     progress(f"runner ready in {time.perf_counter() - start:.1f} s; CUDA graphs captured: "
              f"{runner.decode_graphs.captured}")
     tables = block_tables(max_batch, blocks_per_seq)
@@ -362,7 +368,8 @@ def run(a: argparse.Namespace, argv: Sequence[str], progress: Progress = stderr_
         progress(f"batch {b}: {step * 1e3:.2f} ms a step, {b / step:.1f} tokens/s")
     return {"machine": machine(device), "command": command_line(argv), "model": a.model,
             "dtype": str(runner.dtype).removeprefix("torch."), "quantization": a.quantization,
-            "copy_bandwidth_gbs": bandwidth / 1e9, "rows": [asdict(r) for r in rows]}
+            "kv_cache_dtype": a.kv_cache_dtype, "copy_bandwidth_gbs": bandwidth / 1e9,
+            "rows": [asdict(r) for r in rows]}
 
 
 def command_line(argv: Sequence[str]) -> str:
@@ -378,7 +385,8 @@ def format_report(report: dict[str, object]) -> str:
     assert isinstance(rows, list)
     lines = [f"machine: {m['device']}; torch {m['torch']}, triton {m['triton']}, python {m['python']}",
              f"command: {report['command']}",
-             f"dtype: {report['dtype']}, quantization {report.get('quantization') or 'none'}; "
+             f"dtype: {report['dtype']}, quantization {report.get('quantization') or 'none'}, "
+             f"KV cache {report.get('kv_cache_dtype', 'auto')}; "
              f"copy bandwidth {report['copy_bandwidth_gbs']:.1f} GB/s (read + write); "
              "roofline: (weights + K/V of batch x context tokens) / copy bandwidth",
              f"{'batch':>6} {'context':>8} {'step ms':>9} {'tokens/s':>10} {'GB/step':>8} {'roofline':>9} "

@@ -7,7 +7,8 @@ held-out windows (the standard-library files the trained pair never saw) and the
 - greedy agreement with the fp32 run: the share of generated tokens equal up to the first difference,
   and the share of prompts whose whole continuation is identical;
 - memory: the bytes the weights hold on the device and the process's RSS (current and peak).
-Pre-quantized formats (a `dir:` entry) name a checkpoint directory written in that format beforehand.
+Pre-quantized formats (a `NAME=DIR` entry) name a checkpoint directory written in that format beforehand.
+A `+kv-int8` or `+kv-fp8` suffix (or `kv-int8` alone: fp32 weights) runs the engine with that KV cache dtype.
 """
 
 from __future__ import annotations
@@ -53,7 +54,7 @@ def rss_mb() -> tuple[float, float]:
 
 
 def run_one(model: str, quantization: str | None, windows: list[list[int]], prompts: list[list[int]],
-            max_tokens: int) -> dict[str, Any]:
+            max_tokens: int, kv_cache_dtype: str = "auto") -> dict[str, Any]:
     """One engine on one format: perplexity, greedy continuations and memory."""
     from kvfleet_agent import LLM, SamplingParams
     from kvfleet_agent.llm import TokensPrompt
@@ -61,7 +62,7 @@ def run_one(model: str, quantization: str | None, windows: list[list[int]], prom
     start = time.perf_counter()
     # A fixed KV pool (the default is a share of RAM), so RSS differs by the weights alone.
     llm = LLM(model=model, quantization=quantization, dtype="float32", max_model_len=SEQ_LEN + max_tokens + 8,
-              enable_prefix_caching=False, seed=0, kv_cache_memory_bytes=64 << 20)
+              enable_prefix_caching=False, seed=0, kv_cache_memory_bytes=64 << 20, kv_cache_dtype=kv_cache_dtype)
     load_s = time.perf_counter() - start
     scored = llm.generate([TokensPrompt(prompt_token_ids=w) for w in windows],
                           SamplingParams(max_tokens=1, prompt_logprobs=0), use_tqdm=False)
@@ -71,7 +72,8 @@ def run_one(model: str, quantization: str | None, windows: list[list[int]], prom
     rss, peak = rss_mb()
     runner = llm.engine.runner
     return {"quantization": quantization, "perplexity": math.exp(sum(nll) / len(nll)), "tokens_scored": len(nll),
-            "weight_bytes": runner.param_bytes(), "rss_mb": rss, "peak_rss_mb": peak, "load_s": load_s,
+            "weight_bytes": runner.param_bytes(), "kv_bytes_per_token": runner.bytes_per_block() / runner.block_size,
+            "kv_cache_dtype": kv_cache_dtype, "rss_mb": rss, "peak_rss_mb": peak, "load_s": load_s,
             "greedy": [list(o.outputs[0].token_ids) for o in greedy]}
 
 
@@ -85,12 +87,17 @@ def agreement(ref: list[list[int]], got: list[list[int]]) -> tuple[float, float]
     return prefix / total, sum(a == b for a, b in zip(ref, got, strict=True)) / len(ref)
 
 
-def parse_format(entry: str, model: str) -> tuple[str, str, str | None]:
-    """'int8' → (name, the model, its --quantization); 'gptq=DIR' → (name, DIR, None: the checkpoint says)."""
+def parse_format(entry: str, model: str) -> tuple[str, str, str | None, str]:
+    """'int8' → (name, the model, its --quantization, 'auto'); 'gptq=DIR' → (name, DIR, None: the checkpoint says,
+    'auto'); 'int8+kv-fp8' → (…, 'fp8'); 'kv-int8' → (name, the model, None: fp32 weights, 'int8')."""
     name, _, where = entry.partition("=")
+    weights, _, kv = name.partition("+")
+    if weights.startswith("kv-"):
+        weights, kv = "fp32", weights
+    kv_dtype = kv.removeprefix("kv-") if kv else "auto"
     if where:
-        return name, where, None
-    return name, model, None if name == "fp32" else name
+        return name, where, None, kv_dtype
+    return name, model, None if weights == "fp32" else weights, kv_dtype
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -98,37 +105,40 @@ def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", required=True, help="the fp checkpoint (the trained pair's target)")
     p.add_argument("--formats", nargs="+", default=list(DEFAULT_FORMATS),
-                   help="fp32, int8, int4 (on load), or NAME=DIR for a checkpoint written in a format")
+                   help="fp32, int8, int4, fp8 (on load), NAME=DIR for a checkpoint written in a format; a +kv-int8 "
+                        "or +kv-fp8 suffix (kv-int8 alone: fp32 weights) quantizes the KV cache too")
     p.add_argument("--windows", type=int, default=64, help="held-out windows of 128 tokens for perplexity")
     p.add_argument("--prompts", type=int, default=64, help="prompts for greedy agreement")
     p.add_argument("--max-tokens", type=int, default=32, help="greedy tokens per prompt")
     p.add_argument("--json", metavar="OUT", help="also write the figures here")
-    p.add_argument("--one", help=argparse.SUPPRESS)  # the child: NAME=DIR:QUANT, prints its JSON
+    p.add_argument("--one", help=argparse.SUPPRESS)  # the child: DIR:QUANT:KV_DTYPE, prints its JSON
     a = p.parse_args(argv)
     windows, prompts = heldout(a.model, a.windows, a.prompts)
     if a.one:
-        model, _, quant = a.one.partition(":")
-        print(json.dumps(run_one(model, quant or None, windows, prompts, a.max_tokens)))
+        model, quant, kv_dtype = a.one.rsplit(":", 2)
+        print(json.dumps(run_one(model, quant or None, windows, prompts, a.max_tokens, kv_dtype)))
         return 0
     results: dict[str, dict[str, Any]] = {}
     for entry in tqdm(a.formats, desc="formats", unit="format"):
-        name, model, quant = parse_format(entry, a.model)
+        name, model, quant, kv_dtype = parse_format(entry, a.model)
         child = [sys.executable, "-m", "kvfleet_agent.bench.quant", "--model", a.model, "--windows", str(a.windows),
-                 "--prompts", str(a.prompts), "--max-tokens", str(a.max_tokens), "--one", f"{model}:{quant or ''}"]
+                 "--prompts", str(a.prompts), "--max-tokens", str(a.max_tokens), "--one",
+                 f"{model}:{quant or ''}:{kv_dtype}"]
         done = subprocess.run(child, capture_output=True, text=True, check=False)
         if done.returncode:
             raise SystemExit(f"format {name} failed:\n{done.stderr[-3000:]}")
         results[name] = json.loads(done.stdout.strip().splitlines()[-1])
     base = results.get("fp32") or next(iter(results.values()))
     print(f"held-out: {a.windows} windows x {SEQ_LEN} tokens; greedy: {a.prompts} prompts x {a.max_tokens} tokens")
-    print(f"{'format':<10} {'perplexity':>10} {'vs fp32':>8} {'agree tok':>9} {'agree seq':>9} "
-          f"{'weights MB':>10} {'RSS MB':>7} {'peak MB':>7}")
+    print(f"{'format':<12} {'perplexity':>10} {'vs fp32':>8} {'agree tok':>9} {'agree seq':>9} "
+          f"{'weights MB':>10} {'KV B/tok':>8} {'RSS MB':>7} {'peak MB':>7}")
     for name, r in results.items():
         tok, seq = agreement(base["greedy"], r["greedy"])
         r["agreement_tokens"], r["agreement_sequences"] = tok, seq
         r["perplexity_vs_fp32"] = r["perplexity"] / base["perplexity"] - 1
-        print(f"{name:<10} {r['perplexity']:>10.3f} {r['perplexity_vs_fp32'] * 100:>+7.2f}% {tok * 100:>8.1f}% "
-              f"{seq * 100:>8.1f}% {r['weight_bytes'] / 1e6:>10.2f} {r['rss_mb']:>7.0f} {r['peak_rss_mb']:>7.0f}")
+        print(f"{name:<12} {r['perplexity']:>10.3f} {r['perplexity_vs_fp32'] * 100:>+7.2f}% {tok * 100:>8.1f}% "
+              f"{seq * 100:>8.1f}% {r['weight_bytes'] / 1e6:>10.2f} {r['kv_bytes_per_token']:>8.0f} "
+              f"{r['rss_mb']:>7.0f} {r['peak_rss_mb']:>7.0f}")
     if a.json:
         Path(a.json).write_text(json.dumps({"formats": results, "argv": list(argv or sys.argv[1:])}, indent=2))
     return 0

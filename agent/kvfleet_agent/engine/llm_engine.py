@@ -83,11 +83,12 @@ class LLMEngine:
         self.counters = EngineCounters(last_step_time=time.time())
         self._tracked: dict[str, _Tracked] = {}
         self.observers: list[EngineObserver] = []
-        log.info("kvfleet engine: %s (%s) on %s%s, %s; KV pool %d blocks x %d tokens = %d tokens "
+        log.info("kvfleet engine: %s (%s) on %s%s, %s; %s; KV pool %d blocks x %d tokens = %d tokens "
                  "(%.1f MiB a rank), max_model_len %d, max concurrent full-length sequences %.1f",
                  config.model, self.model_config.architecture, self.runner.device,
                  f" x {config.tensor_parallel_size} ranks" if config.tensor_parallel_size > 1 else "",
-                 self.runner.dtype, num_blocks, config.block_size, num_blocks * config.block_size,
+                 self.runner.dtype, self.runner.describe_kv(), num_blocks, config.block_size,
+                 num_blocks * config.block_size,
                  num_blocks * self.runner.bytes_per_block() / 2**20, self.max_model_len,
                  num_blocks * config.block_size / self.max_model_len)
 

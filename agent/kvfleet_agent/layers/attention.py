@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from kvfleet_kernels import dispatch  # Triton on CUDA, the PyTorch reference elsewhere
+from kvfleet_kernels import dispatch, kv_quant  # Triton on CUDA, the PyTorch reference elsewhere
 
 
 @dataclass(slots=True)
@@ -57,15 +57,28 @@ class PagedAttention(nn.Module):
         self.scale = head_dim ** -0.5
         self.k_cache = torch.empty(0)
         self.v_cache = torch.empty(0)
+        # With an int8 / fp8 cache: a float32 scale per (block, slot, KV head) for each of K and V.
+        self.k_scale: torch.Tensor | None = None
+        self.v_scale: torch.Tensor | None = None
+
+    def allocate(self, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device) -> None:
+        """Bind zero-filled [num_blocks, block_size, KVH, D] K and V tensors of dtype, with scales if it is int8/fp8."""
+        shape = (num_blocks, block_size, self.num_kv_heads, self.head_dim)
+        self.k_cache = torch.zeros(shape, dtype=dtype, device=device)
+        self.v_cache = torch.zeros(shape, dtype=dtype, device=device)
+        quantized = kv_quant.is_quantized(self.k_cache)
+        self.k_scale = torch.zeros(shape[:3], device=device) if quantized else None
+        self.v_scale = torch.zeros(shape[:3], device=device) if quantized else None
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """q [T, H, D], k/v [T, KVH, D] → [T, H, D]."""
-        dispatch.write_kv(self.k_cache, self.v_cache, k, v, meta.slot_mapping)
+        ks, vs = self.k_scale, self.v_scale
+        dispatch.write_kv(self.k_cache, self.v_cache, k, v, meta.slot_mapping, ks, vs)
         if meta.decode_tables is not None and meta.decode_seq_lens is not None:
             # No max_seq_len: the table width bounds the context, so launch shapes are fixed per batch size.
             n = meta.decode_tables.shape[0]
             decoded = dispatch.paged_decode_attention(q[:n], self.k_cache, self.v_cache, meta.decode_tables,
-                                                       meta.decode_seq_lens, self.scale)
+                                                       meta.decode_seq_lens, self.scale, None, ks, vs)
             if n == q.shape[0] and not meta.prefills:  # a pure decode batch (every CUDA graph): no copy
                 return decoded
             out = torch.empty_like(q)
@@ -74,12 +87,14 @@ class PagedAttention(nn.Module):
             out = torch.empty_like(q)
         for g in meta.decode_groups:
             out[g.start:g.end] = dispatch.planned_decode_attention(
-                q[g.start:g.end], self.k_cache, self.v_cache, g.flat_block_index, g.valid, self.scale)
+                q[g.start:g.end], self.k_cache, self.v_cache, g.flat_block_index, g.valid, self.scale, ks, vs)
         for p in meta.prefills:
             span = slice(p.query_start, p.query_start + p.query_len)
-            if p.context_start == 0:  # nothing cached before the chunk: attend to its fresh K/V directly
+            # Nothing cached before the chunk: attend to its fresh K/V directly, unless the cache is quantized;
+            # then a prompt reads what its decodes will (the stored values), whether or not it came in chunks.
+            if p.context_start == 0 and ks is None:
                 out[span] = dispatch.causal_attention(q[span], k[span], v[span], self.scale)
             else:
                 out[span] = dispatch.paged_prefill_attention(q[span], self.k_cache, self.v_cache, p.block_table,
-                                                              p.context_start + p.query_len, self.scale)
+                                                              p.context_start + p.query_len, self.scale, ks, vs)
         return out

@@ -106,10 +106,8 @@ class DraftModel:
 
     def allocate(self, num_blocks: int, stand_in: bool = False) -> None:
         """Zero-filled K and V tensors of num_blocks blocks for every layer (one-block stand-ins for a profile pass)."""
-        for layer in self.attn_layers:
-            shape = (num_blocks, self.block_size, layer.num_kv_heads, layer.head_dim)
-            layer.k_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
-            layer.v_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        for layer in self.attn_layers:  # the draft's K/V keeps its dtype: small, and its guesses stay its own
+            layer.allocate(num_blocks, self.block_size, self.dtype, self.device)
         if not stand_in:
             log.info("draft model KV: %d blocks x %d B = %.1f MiB beside the target's", num_blocks,
                      self.bytes_per_block(), num_blocks * self.bytes_per_block() / 2**20)

@@ -30,7 +30,7 @@ from kvfleet_agent.worker.sampler import PromptLogprobs, Sampler, StepResult, pr
 from kvfleet_agent.worker.spec_sampling import verify_batch
 from kvfleet_agent.worker.startup_phases import StartupPhases
 from kvfleet_agent.worker.step_batch import StepBatch, StepInputs, plan_batch, profile_batch, step_inputs, warmup_steps
-from kvfleet_kernels import dispatch
+from kvfleet_kernels import dispatch, kv_quant
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +49,7 @@ class ModelRunner:
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         self.dtype = resolve_dtype(config, model_cfg, self.device)
+        self.kv_dtype = kv_quant.CACHE_DTYPES.get(config.kv_cache_dtype, self.dtype)
         self.block_size = config.block_size
         self.max_model_len = max_model_len
         self.startup = StartupPhases(f"rank {self.tp.rank}" if self.tp.size > 1 else "")
@@ -66,8 +67,9 @@ class ModelRunner:
         if self.quant is not None:
             log_quantized(self.model, self.quant.method, self.tp.rank)
             if self.quant.activation_scheme == "static" or self.quant.kv_cache_scales:
-                log.warning("this checkpoint's static activation and KV-cache scales are not used: activations and "
-                            "the KV cache stay in %s (weights only are quantized here)", self.dtype)
+                log.warning("this checkpoint's static activation and KV-cache scales are not used: activations stay "
+                            "in %s (weights only are quantized here); the KV cache is %s (--kv-cache-dtype: int8 and "
+                            "fp8 set their own scale per token and head as they write)", self.dtype, self.kv_dtype)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)  # the last host-to-device copies may still be in flight
         release_freed_memory()
@@ -97,9 +99,18 @@ class ModelRunner:
     def bytes_per_block(self) -> int:
         """KV bytes of one block across all layers (keys and values) for this rank's heads, and the draft's."""
         a = self.attn_layers[0]
-        elem = torch.empty(0, dtype=self.dtype).element_size()
-        return 2 * len(self.attn_layers) * self.block_size * a.num_kv_heads * a.head_dim * elem + \
+        row = kv_quant.bytes_per_row(a.head_dim, self.kv_dtype)
+        return 2 * len(self.attn_layers) * self.block_size * a.num_kv_heads * row + \
             (self.draft.bytes_per_block() if self.draft is not None else 0)
+
+    def describe_kv(self) -> str:
+        """The KV cache's element type, and for int8/fp8 what it buys: tokens per byte against the model's dtype."""
+        if self.kv_dtype == self.dtype:
+            return f"KV cache {self.dtype}"
+        a = self.attn_layers[0]
+        gain = kv_quant.bytes_per_row(a.head_dim, self.dtype) / kv_quant.bytes_per_row(a.head_dim, self.kv_dtype)
+        return (f"KV cache {self.kv_dtype} with a float32 scale per token and head: {gain:.2f}x the tokens of "
+                f"{self.dtype} in the same memory")
 
     def kv_budget_bytes(self) -> int:
         """Bytes for the KV pool: the configured budget; on GPU what a profiling pass leaves; a RAM share on CPU."""
@@ -151,9 +162,7 @@ class ModelRunner:
         """
         if self.num_blocks == 0:
             for layer in self.attn_layers:
-                shape = (1, self.block_size, layer.num_kv_heads, layer.head_dim)
-                layer.k_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
-                layer.v_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+                layer.allocate(1, self.block_size, self.kv_dtype, self.device)
             if self.draft is not None:
                 self.draft.allocate(1, stand_in=True)
         assert self.config.max_num_batched_tokens is not None  # set by EngineConfig.resolve
@@ -176,9 +185,7 @@ class ModelRunner:
         self.decode_graphs.release()  # captured graphs would go on reading the old tensors
         self.num_blocks = num_blocks
         for layer in self.attn_layers:
-            shape = (num_blocks, self.block_size, layer.num_kv_heads, layer.head_dim)
-            layer.k_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
-            layer.v_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+            layer.allocate(num_blocks, self.block_size, self.kv_dtype, self.device)
         if self.draft is not None:
             self.draft.allocate(num_blocks)
 
@@ -210,7 +217,7 @@ class ModelRunner:
         if not self.wants_graphs():
             self.startup.skip("graph_capture", self._no_graphs_reason())
             return
-        probe = self.attn_layers[0].k_cache
+        probe = torch.empty(0, dtype=self.dtype, device=self.device)  # the kernels follow the queries' dtype
         if dispatch.backend(probe) != "triton":  # the reference syncs the host in places: not capturable
             log.warning("CUDA graphs need the Triton kernels (%s=0 or dtype %s): decoding eagerly",
                         dispatch.FORCE_ENV, probe.dtype)
