@@ -89,6 +89,19 @@ def test_kv_bytes_grow_with_context(ckpt: Path, tmp_path: Path, capsys: pytest.C
     assert grown == 2 * (40 - 8) * kv_bytes_per_token(ckpt)
 
 
+@pytest.mark.parametrize("kv_dtype", ["int8", "fp8"])
+def test_a_one_byte_kv_cache_counts_its_codes_and_scales(ckpt: Path, tmp_path: Path,
+                                                        capsys: pytest.CaptureFixture[str], kv_dtype: str) -> None:
+    args = ["--model", str(ckpt), "--batch", "2", *FAST, "--kv-cache-dtype", kv_dtype]
+    short, _ = bench(tmp_path, capsys, *args, "--context", "8")
+    long, out = bench(tmp_path, capsys, *args, "--context", "40")
+    grown = long["rows"][0]["bytes_per_step"] - short["rows"][0]["bytes_per_step"]
+    head_dim = ModelConfig.from_dir(str(ckpt)).head_dim
+    # A row of head_dim float32 values becomes head_dim one-byte codes and one float32 scale.
+    assert grown == 2 * (40 - 8) * kv_bytes_per_token(ckpt) * (head_dim + 4) // (4 * head_dim)
+    assert long["kv_cache_dtype"] == kv_dtype and f"KV cache {kv_dtype}" in out
+
+
 def test_decode_step_generates_what_the_engine_generates(ckpt: Path) -> None:
     """Greedy tokens through the bench's prefill and decode_step equal LLM.generate's, row by row: the bench
     times real decoding over each row's own cached context, not some cheaper stand-in."""
