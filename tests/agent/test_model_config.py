@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -13,7 +14,7 @@ from loader_helpers import DELETE, copy_of, edit_config, read_config
 from kvfleet_agent import LLM, EngineConfig
 from kvfleet_agent.models.config import SUPPORTED_ARCHITECTURES, ModelConfig
 from kvfleet_agent.models.tiny import ARCHS
-from kvfleet_agent.worker.device import resolve_dtype
+from kvfleet_agent.worker.device import cpu_bf16_matmul, resolve_dtype
 
 # ---------------------------------------------------------------------------------------------
 # config.json
@@ -175,8 +176,12 @@ def test_llm_validates_options_before_loading(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize(("asked", "checkpoint", "device", "expected"), [
-    ("auto", "float32", "cpu", torch.float32),  # half precision is slow on CPU
+    ("auto", "float32", "cpu", torch.float32),  # without native bf16 matmuls, half precision is slow on CPU
     ("auto", "bfloat16", "cpu", torch.float32),
+    ("auto", "float32", "cpu+AMX", torch.float32),  # a float32 checkpoint stays exact
+    ("auto", "bfloat16", "cpu+AMX", torch.bfloat16),
+    ("auto", "float16", "cpu+AVX512-BF16", torch.bfloat16),
+    ("float32", "bfloat16", "cpu+AMX", torch.float32),  # asked for: as asked
     ("auto", "float16", "cuda", torch.float16),  # the checkpoint's, on a GPU
     ("auto", "bfloat16", "cuda", torch.bfloat16),
     ("auto", "float32", "cuda", torch.bfloat16),  # as vLLM: decode is memory-bound, half the bytes
@@ -186,4 +191,15 @@ def test_compute_dtype(ckpts: dict[str, Path], asked: str, checkpoint: str, devi
                        expected: torch.dtype) -> None:
     cfg = replace(ModelConfig.from_dir(str(ckpts["llama"])), torch_dtype=checkpoint)
     config = EngineConfig(model=str(ckpts["llama"]), dtype=asked)
-    assert resolve_dtype(config, cfg, torch.device(device)) == expected
+    kind, _, native = device.partition("+")
+    assert resolve_dtype(config, cfg, torch.device(kind), native or False) == expected
+
+
+def test_auto_on_this_cpu_follows_its_instructions_and_says_why(ckpts: dict[str, Path],
+                                                                caplog: pytest.LogCaptureFixture) -> None:
+    cfg = replace(ModelConfig.from_dir(str(ckpts["llama"])), torch_dtype="bfloat16")
+    with caplog.at_level(logging.INFO):
+        got = resolve_dtype(EngineConfig(model=str(ckpts["llama"])), cfg, torch.device("cpu"))
+    native = cpu_bf16_matmul()
+    assert got == (torch.bfloat16 if native else torch.float32)
+    assert (f"{native} multiplies bfloat16 natively" if native else "no AMX or AVX512-BF16") in caplog.text

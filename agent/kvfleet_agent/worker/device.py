@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import logging
 from collections.abc import Sequence
 
 import numpy as np
@@ -12,17 +13,37 @@ import torch
 from kvfleet_agent.config import EngineConfig
 from kvfleet_agent.models.config import ModelConfig
 
+log = logging.getLogger(__name__)
 
-def resolve_dtype(config: EngineConfig, model_cfg: ModelConfig, device: torch.device) -> torch.dtype:
+
+def cpu_bf16_matmul() -> str | None:
+    """What gives this CPU native bfloat16 matmuls (oneDNN uses it): 'AMX', 'AVX512-BF16', or None."""
+    if torch.cpu._is_amx_tile_supported():
+        return "AMX"
+    if torch.cpu._is_avx512_bf16_supported():
+        return "AVX512-BF16"
+    return None
+
+
+def resolve_dtype(config: EngineConfig, model_cfg: ModelConfig, device: torch.device,
+                  cpu_bf16: str | bool | None = True) -> torch.dtype:
     """The compute dtype: as asked; else on GPU the checkpoint's, float32 ones in bfloat16 (float16 where the GPU
-    lacks it), as vLLM does: decode is memory-bound, half the bytes is twice the speed; float32 on CPU (half
-    is slow there)."""
+    lacks it), as vLLM does: decode is memory-bound, half the bytes is twice the speed. On CPU a 16-bit checkpoint
+    runs in bfloat16 where the CPU multiplies bfloat16 natively (cpu_bf16, detected when True), else float32:
+    without AMX or AVX512-BF16 every bfloat16 product is converted and runs slower than float32. A float32
+    checkpoint stays float32 on CPU (its outputs stay exactly transformers')."""
     name = config.dtype
-    if name == "auto":
-        name = model_cfg.torch_dtype if device.type == "cuda" else "float32"
-        if device.type == "cuda" and name == "float32":
+    if name == "auto" and device.type == "cuda":
+        name = model_cfg.torch_dtype
+        if name == "float32":
             bf16 = not torch.cuda.is_available() or torch.cuda.is_bf16_supported()
             name = "bfloat16" if bf16 else "float16"
+    elif name == "auto":
+        native = cpu_bf16_matmul() if cpu_bf16 is True else cpu_bf16 or None
+        half = model_cfg.torch_dtype in ("bfloat16", "float16")
+        name = "bfloat16" if half and native else "float32"
+        log.info("dtype auto on CPU: %s (%s checkpoint; %s)", name, model_cfg.torch_dtype,
+                 f"{native} multiplies bfloat16 natively" if native else "no AMX or AVX512-BF16 for bfloat16 matmuls")
     dtype = getattr(torch, name, None)
     if not isinstance(dtype, torch.dtype):
         raise ValueError(f"config.json torch_dtype={name!r} is not a torch dtype; pass dtype explicitly")
