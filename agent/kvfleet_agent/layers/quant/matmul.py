@@ -1,8 +1,9 @@
 """QuantMatmul: a QuantWeight made ready for its device once, then y = x · Wᵀ through the fastest kernel there.
 
 On GPU: kvfleet_kernels' Triton dequant-GEMMs (W8A16, W4A16) and torch._scaled_mm for FP8 (sm_89+).
-On CPU: PyTorch's native weight-only kernels (`_weight_int8pack_mm`, `_weight_int4pack_mm_for_cpu`),
-which take bf16 activations (W8A16 / W4A16, as vLLM names the schemes); the fp32 results stay fp32.
+On CPU: per-channel INT8 with fp32 activations runs kvfleet_kernels.cpu_int8 (a C++/AVX2 kernel built on first
+use; exact to fp32 accumulation order). Otherwise PyTorch's native weight-only kernels (`_weight_int8pack_mm`,
+`_weight_int4pack_mm_for_cpu`), which take bf16 activations (W8A16 / W4A16, as vLLM names the schemes).
 Where no kernel fits (FP8 on CPU, odd shapes) the weight is dequantized once into the compute dtype and
 runs as a dense layer: correct, but without the memory saving, and the start-up log says so.
 """
@@ -15,14 +16,15 @@ import torch
 import torch.nn.functional as F
 
 from kvfleet_agent.layers.quant.weight import QuantWeight
-from kvfleet_kernels import dispatch, quant_pack
+from kvfleet_kernels import cpu_int8, dispatch, quant_pack
 
 log = logging.getLogger(__name__)
 
 BF16 = torch.bfloat16
-# Above this many rows the INT8 kernel (a decode-shaped loop) loses to dequantizing the layer's weight for the
-# step and running oneDNN's fp32 GEMM on it: measured on the 2-core EPYC, 5632x1024 weight, at 64 rows 27.8 ms
-# against 17.2 (the dequantization itself ~6 ms), at 256 rows 72 against 54; at 16 rows the kernel still wins.
+# The fallback INT8 path (no C++ compiler, or bf16 activations): above this many rows `_weight_int8pack_mm` (a
+# decode-shaped loop) loses to dequantizing the layer's weight for the step and running oneDNN's fp32 GEMM on it:
+# measured on the 2-core EPYC, 5632x1024 weight, at 64 rows 27.8 ms against 17.2 (the dequantization itself
+# ~6 ms), at 256 rows 72 against 54; at 16 rows the kernel still wins.
 INT8_KERNEL_ROWS = 32
 MKLDNN = torch.backends.mkldnn.is_available()  # type: ignore[no-untyped-call]
 
@@ -96,13 +98,23 @@ class QuantMatmul:
         return True
 
     def _cpu_int8(self, qw: QuantWeight) -> bool:
-        """Per-channel INT8: y = (x·qᵀ)·s − (Σx)·(z·s); the scale factors out of the sum, so it stays fp32."""
-        if qw.group_size != self.in_features or self.in_features % 8:  # the kernel reads K in steps of 8
+        """Per-channel INT8: y = (x·qᵀ)·s − (Σx)·(z·s); the scale factors out of the sum, so it stays fp32.
+
+        fp32 models take kvfleet_kernels.cpu_int8 when it builds (on the 2-core EPYC 1.6-1.8x oneDNN's fp32
+        GEMM at 16 rows, 2-3x at 1, on par from 256 on); otherwise, and for bf16/fp16, `_weight_int8pack_mm`.
+        Only one int8 copy is kept: the tiles, or the [N, K] weight the fallback reads.
+        """
+        # K in steps of 8: what the fallback reads, so the path does not depend on whether a compiler exists.
+        if qw.group_size != self.in_features or self.in_features % 8:
             return False
-        self.q8 = qw.q.contiguous()
-        self.ones = torch.ones(self.out_features, dtype=BF16)
-        self.scale = qw.scale[:, 0].contiguous()
+        scale = qw.scale[:, 0].to(torch.float32)
         self.zero_scale = None if qw.zero is None else (qw.zero[:, 0] * qw.scale[:, 0]).contiguous()
+        if self.dtype == torch.float32 and cpu_int8.available():
+            self.tiles, self.tile_scale = cpu_int8.pack(qw.q, scale)
+        else:
+            self.q8 = qw.q.contiguous()
+            self.ones = torch.ones(self.out_features, dtype=BF16)
+            self.scale = scale.contiguous()
         self.path = "cpu-int8"
         return True
 
@@ -125,7 +137,7 @@ class QuantMatmul:
     def nbytes(self) -> int:
         """Bytes this weight keeps resident on its device."""
         held = [getattr(self, name, None) for name in ("dense", "q8", "scale", "zero_scale", "q4", "scales_zeros",
-                                                       "perm", "fp8_w", "fp8_scale")]
+                                                       "perm", "fp8_w", "fp8_scale", "tiles", "tile_scale")]
         packed = getattr(self, "tpacked", None)
         if packed is not None:
             held += [packed.qweight, packed.scale, packed.zero]
@@ -144,13 +156,19 @@ class QuantMatmul:
         if self.path == "fp8-scaled-mm":
             return quant_pack.fp8_linear(x, self.fp8_w, self.fp8_scale)
         if self.path == "cpu-int8":
-            if x.shape[0] > INT8_KERNEL_ROWS and x.dtype == torch.float32:  # prefill chunks: dequantize for the step
-                w = self.q8.to(torch.float32).mul_(self.scale[:, None])
-                y = (torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "") if MKLDNN else F.linear(x, w))
-            else:
-                y = torch._weight_int8pack_mm(x.to(BF16), self.q8, self.ones).to(torch.float32).mul_(self.scale)
-            if self.zero_scale is not None:
-                y.sub_(x.to(torch.float32).sum(-1, keepdim=True) * self.zero_scale)
-            return y.to(x.dtype)
+            return self._int8(x)
         y = torch._weight_int4pack_mm_for_cpu(x.to(BF16), self.q4, self.group_size, self.scales_zeros)
+        return y.to(x.dtype)
+
+    def _int8(self, x: torch.Tensor) -> torch.Tensor:
+        """The cpu-int8 path: kvfleet's kernel where packed for it, else PyTorch's; a zero point after either."""
+        if hasattr(self, "tiles"):
+            y = cpu_int8.linear(x.to(torch.float32), self.tiles, self.tile_scale, self.out_features)
+        elif x.shape[0] > INT8_KERNEL_ROWS and x.dtype == torch.float32:  # prefill chunks: dequantize for the step
+            w = self.q8.to(torch.float32).mul_(self.scale[:, None])
+            y = (torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "") if MKLDNN else F.linear(x, w))
+        else:
+            y = torch._weight_int8pack_mm(x.to(BF16), self.q8, self.ones).to(torch.float32).mul_(self.scale)
+        if self.zero_scale is not None:
+            y.sub_(x.to(torch.float32).sum(-1, keepdim=True) * self.zero_scale)
         return y.to(x.dtype)
