@@ -9,9 +9,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from engine_probes import greedy, prompt_logprobs
 from hf_llama import save_hf_llama
 
-from kvfleet_agent import LLM, SamplingParams, cli
+from kvfleet_agent import LLM, cli
 from kvfleet_agent.config import EngineConfig
 
 pytest.importorskip("transformers")
@@ -29,24 +30,15 @@ def hf_ckpt(tmp_path_factory: pytest.TempPathFactory, tiny_checkpoint: Callable[
                          max_positions=256)
 
 
-def prompt_logprobs(llm: LLM) -> torch.Tensor:
-    """Every prompt token's logprob: each one read K/V of the tokens before it from the cache."""
-    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], SamplingParams(max_tokens=1, prompt_logprobs=0),
-                        use_tqdm=False)
-    return torch.tensor([lp.logprob for o in outs for lp in (o.prompt_logprobs or [])[1:] if lp is not None])
 
 
-def greedy(llm: LLM, n: int = 24) -> list[list[int]]:
-    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS],
-                        SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True), use_tqdm=False)
-    return [list(o.outputs[0].token_ids) for o in outs]
 
 
 @pytest.fixture(scope="module")
 def full(hf_ckpt: Path) -> tuple[int, torch.Tensor, list[list[int]]]:
     """The float32 cache's pool size, prompt logprobs and greedy tokens: what the quantized caches are held to."""
     with LLM(model=str(hf_ckpt), **OPTIONS) as llm:
-        return llm.engine.runner.num_blocks, prompt_logprobs(llm), greedy(llm)
+        return llm.engine.runner.num_blocks, prompt_logprobs(llm, PROMPTS), greedy(llm, PROMPTS, 24)
 
 
 # Mean |Δ logprob| over the prompt tokens, and the share of greedy tokens equal to the float cache's: measured
@@ -58,7 +50,8 @@ def test_a_quantized_cache_holds_more_tokens_and_answers_nearly_alike(
         min_same: float, caplog: pytest.LogCaptureFixture) -> None:
     blocks, want_lp, want_tokens = full
     with caplog.at_level(logging.INFO), LLM(model=str(hf_ckpt), kv_cache_dtype=kv_dtype, **OPTIONS) as llm:
-        got_blocks, got_lp, got_tokens = llm.engine.runner.num_blocks, prompt_logprobs(llm), greedy(llm)
+        got_blocks = llm.engine.runner.num_blocks
+        got_lp, got_tokens = prompt_logprobs(llm, PROMPTS), greedy(llm, PROMPTS, 24)
     # A row of 32 float32 values is 128 bytes; of one-byte codes and a float32 scale, 36.
     assert got_blocks == pytest.approx(blocks * 128 / 36, rel=0.02)
     gain = "3.56x the tokens of torch.float32"
@@ -73,16 +66,16 @@ def test_int8_is_the_closer_of_the_two(hf_ckpt: Path, full: tuple[int, torch.Ten
     errors = {}
     for kv_dtype in ("int8", "fp8"):
         with LLM(model=str(hf_ckpt), kv_cache_dtype=kv_dtype, **OPTIONS) as llm:
-            errors[kv_dtype] = float((prompt_logprobs(llm) - full[1]).abs().mean())
+            errors[kv_dtype] = float((prompt_logprobs(llm, PROMPTS) - full[1]).abs().mean())
     assert errors["int8"] < errors["fp8"], errors  # 7 bits of mantissa-equivalent against E4M3's 3
 
 
 def test_tensor_parallel_ranks_quantize_their_own_heads_alike(hf_ckpt: Path) -> None:
     """A scale per token and head: splitting the heads over ranks changes no stored value, so TP=2 equals TP=1."""
     with LLM(model=str(hf_ckpt), kv_cache_dtype="int8", **OPTIONS) as one:
-        want = greedy(one)
+        want = greedy(one, PROMPTS, 24)
     with LLM(model=str(hf_ckpt), kv_cache_dtype="int8", tensor_parallel_size=2, **OPTIONS) as two:
-        assert greedy(two) == want
+        assert greedy(two, PROMPTS, 24) == want
 
 
 def test_an_unknown_kv_cache_dtype_is_refused_naming_the_choices() -> None:

@@ -12,11 +12,11 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-import torch
+from engine_probes import greedy, prompt_logprobs
 from hf_llama import save_hf_llama
 from safetensors.torch import load_file, save_file
 
-from kvfleet_agent import LLM, SamplingParams
+from kvfleet_agent import LLM
 from kvfleet_agent.config import EngineConfig
 from kvfleet_agent.layers.quant.onload import quantize
 
@@ -46,16 +46,8 @@ def dequantized_copy(src: Path, dst: Path, method: str) -> Path:
     return dst
 
 
-def prompt_logprobs(llm: LLM) -> torch.Tensor:
-    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], SamplingParams(max_tokens=1, prompt_logprobs=0),
-                        use_tqdm=False)
-    return torch.tensor([lp.logprob for o in outs for lp in (o.prompt_logprobs or [])[1:] if lp is not None])
 
 
-def greedy(llm: LLM, n: int = 12) -> list[list[int]]:
-    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS],
-                        SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True), use_tqdm=False)
-    return [list(o.outputs[0].token_ids) for o in outs]
 
 
 @pytest.mark.parametrize("method", ["int8", "int4", "fp8"])
@@ -64,7 +56,7 @@ def test_a_quantized_engine_computes_what_its_dequantized_weights_do(hf_ckpt: Pa
     quant = LLM(model=str(hf_ckpt), quantization=method, **OPTIONS)
     reference = LLM(model=str(dequantized_copy(hf_ckpt, tmp_path / "deq", method)), **OPTIONS)
     full = LLM(model=str(hf_ckpt), **OPTIONS)
-    got, want, fp = prompt_logprobs(quant), prompt_logprobs(reference), prompt_logprobs(full)
+    got, want, fp = (prompt_logprobs(llm, PROMPTS) for llm in (quant, reference, full))
     assert got.shape == want.shape and len(got) > 40
     gap = (got - want).abs().max().item()
     assert gap < 0.05, f"{method}: the engine differs from its dequantized weights by {gap} (bf16 activations only)"
@@ -87,9 +79,9 @@ def test_quantized_weights_hold_a_fraction_of_the_dense_bytes(hf_ckpt: Path) -> 
 
 @pytest.mark.parametrize("method", ["int8", "int4", "fp8"])
 def test_tensor_parallel_ranks_cut_one_grid_so_tp2_equals_tp1(hf_ckpt: Path, method: str) -> None:
-    one = greedy(LLM(model=str(hf_ckpt), quantization=method, **OPTIONS))
+    one = greedy(LLM(model=str(hf_ckpt), quantization=method, **OPTIONS), PROMPTS, 12)
     with LLM(model=str(hf_ckpt), quantization=method, tensor_parallel_size=2, **OPTIONS) as two:
-        assert greedy(two) == one
+        assert greedy(two, PROMPTS, 12) == one
 
 
 def test_an_unknown_quantization_is_refused_naming_the_choices() -> None:
