@@ -26,10 +26,28 @@ def _dequant_tile(k, v, ks_ptr, vs_ptr, s_off, n_ok, dtype: tl.constexpr,  # typ
         vs = tl.load(vs_ptr + s_off, mask=n_ok, other=0.0)
         k = decode_codes(k, KV_QUANT, dtype)
         v = decode_codes(v, KV_QUANT, dtype)
-    else:
-        ks = tl.where(n_ok, 1.0, 1.0)
-        vs = ks
+    else:  # unused: _keys and _probs leave a float cache's tiles as they were
+        ks = n_ok
+        vs = n_ok
     return k, v, ks, vs
+
+
+@triton.jit  # type: ignore[untyped-decorator]
+def _keys(s, ks, scale_log2e, KV_QUANT: tl.constexpr):  # type: ignore[no-untyped-def]
+    # Scores q·kᵀ in base 2: times each key's scale too when the cache is quantized.
+    if KV_QUANT:  # noqa: SIM108 (a constexpr branch, as the kernels spell them)
+        s = s * (ks[None, :] * scale_log2e)
+    else:
+        s = s * scale_log2e
+    return s
+
+
+@triton.jit  # type: ignore[untyped-decorator]
+def _probs(p, vs, KV_QUANT: tl.constexpr):  # type: ignore[no-untyped-def]
+    # Probabilities times each value row's scale when the cache is quantized, before the product with V.
+    if KV_QUANT:
+        p = p * vs[None, :]
+    return p
 
 
 @triton.jit  # type: ignore[untyped-decorator]
@@ -73,13 +91,13 @@ def _decode_kernel(  # type: ignore[no-untyped-def]
         v = tl.load(v_ptr + (block * s_vn + slot * s_vs + kvh * s_vh)[:, None] + d[None, :], mask=kv_mask, other=0)
         k, v, ks, vs = _dequant_tile(k, v, ks_ptr, vs_ptr, block * s_sn + slot * s_ss + kvh * s_sh, n_ok, q.dtype,
                                      KV_QUANT)
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * (ks[None, :] * scale_log2e)
+        s = _keys(tl.dot(q, tl.trans(k), input_precision=PRECISION), ks, scale_log2e, KV_QUANT)
         s = tl.where(n_ok[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))  # finite: every tile holds at least one valid slot
         p = tl.exp2(s - m_new[:, None])
         alpha = tl.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot((p * vs[None, :]).to(v.dtype), v, input_precision=PRECISION)
+        acc = acc * alpha[:, None] + tl.dot(_probs(p, vs, KV_QUANT).to(v.dtype), v, input_precision=PRECISION)
         m_i = m_new
     if SPLIT:  # partial results (max and sum in base 2, unnormalised output), combined by _combine_kernel
         row = (b * tl.num_programs(1) * GROUP + heads) * tl.num_programs(2) + split
@@ -153,13 +171,13 @@ def _prefill_kernel(  # type: ignore[no-untyped-def]
         k = tl.load(k_ptr + (k_off + kvh * s_kh)[:, None] + d[None, :], mask=kv_mask, other=0)
         v = tl.load(v_ptr + (v_off + kvh * s_vh)[:, None] + d[None, :], mask=kv_mask, other=0)
         k, v, ks, vs = _dequant_tile(k, v, ks_ptr, vs_ptr, s_off + kvh * s_sh, n_ok, q.dtype, KV_QUANT)
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * (ks[None, :] * scale_log2e)
+        s = _keys(tl.dot(q, tl.trans(k), input_precision=PRECISION), ks, scale_log2e, KV_QUANT)
         s = tl.where((n[None, :] <= pos[:, None]) & n_ok[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))  # finite: key 0 is visible to every row, so the first tile sets it
         p = tl.exp2(s - m_new[:, None])
         alpha = tl.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot((p * vs[None, :]).to(v.dtype), v, input_precision=PRECISION)
+        acc = acc * alpha[:, None] + tl.dot(_probs(p, vs, KV_QUANT).to(v.dtype), v, input_precision=PRECISION)
         m_i = m_new
     out = acc / l_i[:, None]
     tl.store(out_ptr + m[:, None] * s_ot + h * s_oh + d[None, :], out.to(out_ptr.dtype.element_ty),
