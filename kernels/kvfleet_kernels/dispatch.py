@@ -1,4 +1,8 @@
-"""Each op runs its Triton kernel on CUDA tensors and its PyTorch reference elsewhere (reference.py's signatures)."""
+"""Each op runs its Triton kernel on CUDA tensors and its PyTorch reference elsewhere (reference.py's signatures).
+
+Decode attention on CPU runs cpu_attention's C++ kernel instead where it is built and reads the dtypes (it
+reads the cache in place; the reference gathers a padded copy first), KVFLEET_CPU_ATTENTION_EXT=0 to turn it off.
+"""
 
 import importlib
 import importlib.util
@@ -8,7 +12,7 @@ from typing import cast
 
 import torch
 
-from kvfleet_kernels import reference
+from kvfleet_kernels import cpu_attention, reference
 
 __all__ = ["FORCE_ENV", "add_rms_norm", "backend", "causal_attention", "interpreting", "kernel_module",
            "paged_decode_attention", "paged_prefill_attention", "planned_decode_attention", "rms_norm", "rotary",
@@ -88,6 +92,9 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            max_seq_len: int | None = None, k_scale: Scales = None,
                            v_scale: Scales = None) -> torch.Tensor:
     if (ops := _kernels("paged_attention", q)) is None:
+        if cpu_attention.supports(q, k_cache):
+            return cpu_attention.paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale,
+                                                        max_seq_len, k_scale, v_scale)
         return reference.paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, max_seq_len,
                                                 k_scale, v_scale)
     return cast(torch.Tensor, ops.paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale,
@@ -98,6 +105,9 @@ def planned_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: to
                              flat_block_index: torch.Tensor, valid: torch.Tensor, scale: float, k_scale: Scales = None,
                              v_scale: Scales = None) -> torch.Tensor:
     if (ops := _kernels("paged_attention", q)) is None:
+        if cpu_attention.supports(q, k_cache):
+            return cpu_attention.planned_decode_attention(q, k_cache, v_cache, flat_block_index, valid, scale,
+                                                          k_scale, v_scale)
         return reference.planned_decode_attention(q, k_cache, v_cache, flat_block_index, valid, scale, k_scale, v_scale)
     return cast(torch.Tensor, ops.planned_decode_attention(q, k_cache, v_cache, flat_block_index, valid, scale,
                                                            k_scale, v_scale))

@@ -1,4 +1,4 @@
-"""The dispatch layer: reference on CPU unless forced, Triton on CUDA; layers wired to it match the reference."""
+"""The dispatch layer: reference (or the C++ decode kernel) on CPU unless forced, Triton on CUDA, the same answers."""
 
 from __future__ import annotations
 
@@ -47,7 +47,7 @@ def test_cpu_tensors_take_the_reference_unless_forced(monkeypatch: pytest.Monkey
         dispatch.backend(x)
 
 
-def test_unforced_ops_on_cpu_are_the_reference_exactly(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_unforced_ops_on_cpu_match_the_reference(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv(dispatch.FORCE_ENV, raising=False)
     g = device_gen(torch.device("cpu"), 0)
     x, res, w = randn((4, 32), g, torch.float32), randn((4, 32), g, torch.float32), randn((32,), g, torch.float32)
@@ -56,8 +56,9 @@ def test_unforced_ops_on_cpu_are_the_reference_exactly(monkeypatch: pytest.Monke
         assert torch.equal(a, b)
     k_cache, v_cache, tables = paged_pool([5, 20], 16, 2, 16, torch.float32, g)
     q, lens = randn((2, 4, 16), g, torch.float32), torch.tensor([5, 20])
-    assert torch.equal(dispatch.paged_decode_attention(q, k_cache, v_cache, tables, lens, 0.25),
-                       reference.paged_decode_attention(q, k_cache, v_cache, tables, lens, 0.25))
+    # decode attention may run cpu_attention's C++ kernel instead: same contract, fp32 rounding apart
+    assert_matches(dispatch.paged_decode_attention(q, k_cache, v_cache, tables, lens, 0.25),
+                   reference.paged_decode_attention(q, k_cache, v_cache, tables, lens, 0.25), torch.float32)
 
 
 def test_interpreter_worker_leaves_this_process_alone(small: Run) -> None:
