@@ -23,7 +23,8 @@ DECODE_GROUP = 16  # decode rows per attention call; measured best on CPU (gathe
 
 @dataclass(slots=True)
 class StepBatch:
-    """A step's chunks flattened into one token batch (decodes first, sorted by length), as numpy arrays.
+    """A step's chunks flattened into one token batch (decode rows first, sorted by length: a verification's
+    tokens are decode rows too), as numpy arrays.
 
     Plain data on purpose: rank 0 builds it once from the scheduler's output and sends it to the
     other ranks, which only copy it to their device. Sampling parameters stay on rank 0.
@@ -34,7 +35,7 @@ class StepBatch:
     slot_mapping: np.ndarray  # [T] where each token's K/V goes in the paged pool
     decode_tables: np.ndarray  # [num_decodes, width] block tables of the decode rows
     prefills: list[tuple[int, int, int, np.ndarray]]  # (query_start, query_len, context_start, block table)
-    sample_rows: np.ndarray  # [S] rows whose hidden state yields a next token (a verified chunk's: 1 + its drafts)
+    sample_rows: np.ndarray  # [S] rows whose hidden state yields a next token (a verification's: 1 + its drafts)
     # Rows whose logits give prompt logprobs (after the sample rows' in the logits), rarely any: every rank
     # computes the same logits (the LM head gathers across ranks); rank 0 reads them by prompt_spans.
     prompt_rows: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
@@ -42,22 +43,42 @@ class StepBatch:
 
 
 def plan_batch(chunks: list[ScheduledChunk], block_size: int) -> tuple[StepBatch, list[ScheduledChunk]]:
-    """The step's batch, and the chunks that sample (in the order of the batch's sample rows)."""
+    """The step's batch, and the chunks that sample (in the order of the batch's sample rows).
+
+    A verification ([last, *draft]) runs as one decode row per token, each attending to its own prefix of the
+    same block table: a layer writes every row's K/V before any row attends, so row i sees the drafts before it.
+    That makes verifying k drafts cost about a decode batch of k + 1 rows (one pass over the weights, decode
+    attention reading the cache in place) instead of a prefill with its own attention call.
+    """
     bs = block_size
-    decodes = sorted((c for c in chunks if len(c.token_ids) == 1), key=lambda c: c.start_pos)
-    prefills = [c for c in chunks if len(c.token_ids) > 1]
-    nd = len(decodes)
-    # Decodes: one token each, vectorised over the batch.
-    d_pos = np.fromiter((c.start_pos for c in decodes), dtype=np.int64, count=nd)
+    decodes = sorted((c for c in chunks if len(c.token_ids) == 1 + len(c.draft)), key=lambda c: c.start_pos)
+    prefills = [c for c in chunks if len(c.token_ids) != 1 + len(c.draft)]
+    counts = np.fromiter((len(c.token_ids) for c in decodes), dtype=np.int64, count=len(decodes))
+    nd = int(counts.sum())
+    starts = np.fromiter((c.start_pos for c in decodes), dtype=np.int64, count=len(decodes))
     width = max((len(c.block_table) for c in decodes), default=1)
-    tables = np.zeros((nd, width), dtype=np.int64)
+    tables = np.zeros((len(decodes), width), dtype=np.int64)
     for i, c in enumerate(decodes):
         tables[i, :len(c.block_table)] = c.block_table
+    ids: list[int] = []
+    if nd == len(decodes):  # plain decodes only: one row each, no repeats
+        d_pos = starts
+        ids = [c.token_ids[0] for c in decodes]
+    else:
+        first = np.cumsum(counts) - counts  # each chunk's first row
+        d_pos = np.repeat(starts - first, counts) + np.arange(nd, dtype=np.int64)
+        tables = np.repeat(tables, counts, axis=0)
+        for c in decodes:
+            ids += c.token_ids
     d_slots = tables[np.arange(nd), d_pos // bs] * bs + d_pos % bs
-    ids: list[int] = [c.token_ids[0] for c in decodes]
     pos_parts, slot_parts = [d_pos], [d_slots]
     spans: list[tuple[int, int, int, np.ndarray]] = []
-    sample_rows = [i for i, c in enumerate(decodes) if c.sample]
+    sample_rows: list[int] = []
+    row = 0
+    for c in decodes:
+        if c.sample:
+            sample_rows += range(row, row + len(c.token_ids))
+        row += len(c.token_ids)
     start = nd
     for c in prefills:
         n = len(c.token_ids)
@@ -67,8 +88,8 @@ def plan_batch(chunks: list[ScheduledChunk], block_size: int) -> tuple[StepBatch
         pos_parts.append(pos)
         slot_parts.append(table[pos // bs] * bs + pos % bs)
         spans.append((start, n, c.start_pos, table))
-        if c.sample:  # a verification samples at its last token and at each draft token
-            sample_rows += range(start + n - 1 - len(c.draft), start + n)
+        if c.sample:
+            sample_rows.append(start + n - 1)
         start += n
     batch = StepBatch(np.asarray(ids, dtype=np.int64), np.concatenate(pos_parts), np.concatenate(slot_parts),
                       tables, spans, np.asarray(sample_rows, dtype=np.int64))
@@ -149,6 +170,8 @@ def _decode_groups(tables: torch.Tensor, seq_lens: torch.Tensor, positions: np.n
     groups = []
     for start in range(0, len(positions), DECODE_GROUP):
         end = min(start + DECODE_GROUP, len(positions))
-        flat, valid = decode_plan(tables[start:end], seq_lens[start:end], block_size, int(positions[end - 1]) + 1)
+        # Rows are sorted by their chunk's start: a verification's later rows may outrun the next chunk's.
+        flat, valid = decode_plan(tables[start:end], seq_lens[start:end], block_size,
+                                  int(positions[start:end].max()) + 1)
         groups.append(DecodeGroup(start, end, flat, valid))
     return groups
