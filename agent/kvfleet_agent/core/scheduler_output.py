@@ -47,3 +47,5 @@ class SchedulerOutput:
     num_batched_tokens: int
     preempted: list[str] = field(default_factory=list)
     finished: list[str] = field(default_factory=list)  # finished since the last step: drop their state
+    # A draft model proposes after this step, for the next (the speculator decided that step speculates).
+    draft_next: bool = True

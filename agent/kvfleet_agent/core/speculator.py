@@ -61,6 +61,9 @@ class Speculator:
         self.shadow: dict[str, int] = {}  # first guesses not sent this step, checked against the sampled token
         self.switch = SpecSwitch()
         self.choice: tuple[int, bool] | None = None  # this step's (decode requests, whether it speculates)
+        # A draft model proposes after a step for the next one, and costs k forwards whether or not its drafts are
+        # sent, so the switch decides one step ahead for it: draft_next says whether it runs after this step.
+        self.draft_next = True
 
     def propose(self, decodes: Sequence[Request], num_other_tokens: int, budget: int) -> dict[str, list[int]]:
         """Drafts for this step's decode requests (only those that get any), within `budget` extra tokens."""
@@ -74,7 +77,14 @@ class Speculator:
             if guess:
                 proposals[req.request_id] = guess
         self.choice = None
-        if proposals and self.config.adaptive:
+        if self.config.method != "ngram" and decodes:
+            n, limit = len(decodes), self.config.disable_by_batch_size
+            if self.config.adaptive:
+                # This step's choice was made last step (the draft ran, or not, for it); it is measured whether or
+                # not the draft had anything to propose, so the switch sees both modes.
+                self.choice = (n, self.draft_next)
+            self.draft_next = (limit is None or n < limit) and (not self.config.adaptive or self.switch.choose(n))
+        elif proposals and self.config.adaptive:
             self.choice = (len(decodes), self.switch.choose(len(decodes)))
         plan = self.policy.plan([(rid, len(d)) for rid, d in proposals.items()], num_other_tokens,
                                 num_decodes=len(decodes)) if self.choice is None or self.choice[1] else {}

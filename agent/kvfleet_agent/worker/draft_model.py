@@ -19,8 +19,9 @@ from kvfleet_agent.models.llama import LlamaForCausalLM
 from kvfleet_agent.models.loader import load_weights
 from kvfleet_agent.sampling_params import SamplingParams
 from kvfleet_agent.spec_config import SpeculativeConfig
+from kvfleet_agent.worker.draft_slots import DraftSlots
 from kvfleet_agent.worker.sampler import Sampler, sampling_probs
-from kvfleet_agent.worker.step_batch import StepBatch, StepInputs
+from kvfleet_agent.worker.step_batch import StepBatch, StepInputs, plan_batch
 
 log = logging.getLogger(__name__)
 
@@ -59,17 +60,16 @@ class DraftModel:
     """The draft: the target's model class on a smaller checkpoint, unsharded, with its own paged K/V.
 
     Its K/V pool mirrors the target's block for block (same number of blocks, same block size) and is addressed by
-    the target's block tables and slot mapping: the draft runs over every step's batch after the target, so its K/V
-    holds the same tokens at every computed position (prefill chunks, recomputation after preemption, and prefix-cache
-    hits too, a cached block's draft K/V having been written when the block was first computed). Then it proposes
-    k tokens for each eligible request that sampled, autoregressively from the request's newest token, at the
-    positions the scheduler's lookahead blocks cover: k forwards a step, the first one also the step's batch.
-    Rank 0 alone holds it: it runs no collectives.
+    the target's block tables. It runs only after steps whose next step speculates (`propose`): then, for each
+    eligible request that sampled, it catches its K/V up from the first stale position (DraftSlots: what it skipped
+    while off, a new prompt, a prefix-cache hit on blocks it never computed) to the request's newest token, in one
+    forward with every other such request, which yields the first proposal; k - 1 batched decode forwards give the
+    rest, at the positions the scheduler's lookahead blocks cover. Rank 0 alone holds it: it runs no collectives.
     """
 
     def __init__(self, spec: SpeculativeConfig, target: ModelConfig, target_dir: str, max_model_len: int,
                  block_size: int, device: torch.device, dtype: torch.dtype,
-                 step_inputs: Callable[[StepBatch], StepInputs]) -> None:
+                 step_inputs: Callable[[StepBatch], StepInputs], max_batched_tokens: int) -> None:
         assert spec.model is not None  # SpeculativeConfig.parse requires it for draft_model
         self.cfg = draft_config(spec.model, target, target_dir, max_model_len)
         self.k = spec.num_speculative_tokens
@@ -77,6 +77,8 @@ class DraftModel:
         self.block_size = block_size
         self.device, self.dtype = device, dtype
         self.step_inputs = step_inputs
+        self.max_batched_tokens = max_batched_tokens  # a step's catch-up stays within what the profile pass ran
+        self.slots = DraftSlots(0, block_size)
         with torch.device(device):
             self.model = LlamaForCausalLM(self.cfg, max_model_len, dtype, TPGroup()).to(dtype)
         self.loaded_bytes = load_weights(self.model, spec.model)
@@ -108,6 +110,7 @@ class DraftModel:
         """Zero-filled K and V tensors of num_blocks blocks for every layer (one-block stand-ins for a profile pass)."""
         for layer in self.attn_layers:  # the draft's K/V keeps its dtype: small, and its guesses stay its own
             layer.allocate(num_blocks, self.block_size, self.dtype, self.device)
+        self.slots = DraftSlots(num_blocks, self.block_size)
         if not stand_in:
             log.info("draft model KV: %d blocks x %d B = %.1f MiB beside the target's", num_blocks,
                      self.bytes_per_block(), num_blocks * self.bytes_per_block() / 2**20)
@@ -117,6 +120,7 @@ class DraftModel:
         for rid in request_ids:
             self.proposed.pop(rid, None)
             self.num_output.pop(rid, None)
+            self.slots.forget(rid)
 
     def draft_probs(self, chunk: ScheduledChunk) -> torch.Tensor | None:
         """The draft distributions [len(draft), V] behind a verification chunk's drafts (None for greedy requests,
@@ -142,8 +146,11 @@ class DraftModel:
 
     @torch.inference_mode()
     def step(self, batch: StepBatch, samplers: Sequence[ScheduledChunk], emitted: Mapping[str, Sequence[int]],
-             sampler: Sampler) -> dict[str, list[int]]:
-        """Run the draft over the step's batch (its K/V), and propose for the eligible requests that sampled."""
+             sampler: Sampler, propose: bool = True) -> dict[str, list[int]]:
+        """Note what the target wrote and kept; when the next step speculates (`propose`), catch up and propose for
+        the eligible requests that sampled."""
+        self.slots.target_wrote(batch.input_ids, batch.slot_mapping, samplers, emitted)
+        self.proposed = {}
         rows: list[_Row] = []
         for c in samplers:
             out = emitted.get(c.request_id)
@@ -154,52 +161,48 @@ class DraftModel:
             # The speculator's room (max_tokens, max_model_len) and the blocks the scheduler's lookahead got.
             n = min(self.k, c.sampling_params.max_tokens - count - 1, self.max_model_len - pos - 2,
                     len(c.block_table) * self.block_size - pos)
-            if n > 0 and speculates(c.sampling_params):
+            if propose and n > 0 and speculates(c.sampling_params):
                 rows.append(_Row(c.request_id, c.sampling_params, sampler.generator(c.request_id, c.sampling_params),
                                  pos, n, c.block_table, [out[-1]]))
-        rows.sort(key=lambda r: r.pos)  # decode attention groups rows of similar length
-        ids, positions, sample_rows, meta = self.step_inputs(self._merged(batch, samplers, emitted, rows))
-        hidden = self.model(ids, positions, meta)
-        self.proposed = {}
         if not rows:
             return {}
+        chunks, rows = self._catch_up(rows)
+        plan, order = plan_batch(chunks, self.block_size)
+        ids, positions, sample_rows, meta = self.step_inputs(plan)
+        hidden = self.model(ids, positions, meta)
+        for c in chunks:
+            self.slots.computed(c.request_id, c.block_table, c.start_pos, c.start_pos + len(c.token_ids))
+        if not rows:
+            return {}
+        by_id = {r.request_id: r for r in rows}
+        rows = [by_id[c.request_id] for c in order]  # in the order of the sample rows
         self._propose(rows, self._pick(self.model.compute_logits(hidden.index_select(0, sample_rows)), rows))
         for r in rows:
+            self.slots.proposed(r.request_id, r.pos, r.tokens[:-1])
             if r.q:
                 self.proposed[r.request_id] = (r.tokens[1:], torch.stack(r.q))
         return {r.request_id: r.tokens[1:] for r in rows}
 
-    def _merged(self, batch: StepBatch, samplers: Sequence[ScheduledChunk], emitted: Mapping[str, Sequence[int]],
-                rows: list[_Row]) -> StepBatch:
-        """The step's batch plus each proposing row's newest token at its position, as a decode row (sampling).
-
-        One forward then writes the draft's K/V for the step and yields every first proposal: a layer writes all the
-        rows' K/V before any row attends, so a decode row sees the positions before it that the same forward wrote.
-        A verification's rejected drafts write nothing: the newest token takes the first of their slots.
-        """
-        slots = batch.slot_mapping.copy()
-        cursor = 0
-        for c in samplers:  # a verification's sample rows are all its rows, [last, *draft]
-            if c.draft:
-                slots[batch.sample_rows[cursor + len(emitted.get(c.request_id, ())):cursor + 1 + len(c.draft)]] = -1
-            cursor += 1 + len(c.draft)
-        nd, r = batch.decode_tables.shape[0], len(rows)
-        width = max([batch.decode_tables.shape[1], *(len(row.table) for row in rows)])
-        tables = np.zeros((nd + r, width), dtype=np.int64)
-        tables[:nd, :batch.decode_tables.shape[1]] = batch.decode_tables
-        for i, row in enumerate(rows):
-            tables[nd + i, :len(row.table)] = row.table
-        new_pos = np.asarray([row.pos for row in rows], dtype=np.int64)
-        new_slots = tables[nd + np.arange(r), new_pos // self.block_size] * self.block_size + new_pos % self.block_size
-        pos = np.concatenate([batch.positions[:nd], new_pos])
-        order = np.argsort(pos, kind="stable")
-        where = np.empty_like(order)
-        where[order] = np.arange(nd + r)
-        ids = np.concatenate([batch.input_ids[:nd], np.asarray([row.tokens[0] for row in rows], dtype=np.int64)])
-        return StepBatch(np.concatenate([ids[order], batch.input_ids[nd:]]),
-                         np.concatenate([pos[order], batch.positions[nd:]]),
-                         np.concatenate([np.concatenate([slots[:nd], new_slots])[order], slots[nd:]]), tables[order],
-                         [(start + r, n, ctx, t) for start, n, ctx, t in batch.prefills], where[nd:])
+    def _catch_up(self, rows: list[_Row]) -> tuple[list[ScheduledChunk], list[_Row]]:
+        """Each row's chunk for the draft's first forward: its stale positions (the tokens the target wrote there),
+        then its newest token, sampling. Within max_batched_tokens: a row that does not fit catches up part of the
+        way and proposes another time; one that fits nothing waits."""
+        chunks: list[ScheduledChunk] = []
+        ready: list[_Row] = []
+        left = self.max_batched_tokens
+        for r in sorted(rows, key=lambda r: r.pos):
+            first = self.slots.first_stale(r.request_id, r.table, r.pos)
+            need = r.pos - first + 1
+            if need <= left:
+                tokens = self.slots.tokens(r.table, first, r.pos) + r.tokens[:1]
+                chunks.append(ScheduledChunk(r.request_id, tokens, first, r.table, True, r.params))
+                ready.append(r)
+                left -= need
+            elif left > 0:
+                chunks.append(ScheduledChunk(r.request_id, self.slots.tokens(r.table, first, first + left), first,
+                                             r.table, False, r.params))
+                left = 0
+        return chunks, ready
 
     def _propose(self, rows: list[_Row], first: torch.Tensor) -> None:
         """The proposals after the first: step j runs each row's proposal j at pos + j, batched as decodes.

@@ -86,7 +86,8 @@ class ModelRunner:
         if isinstance(spec, SpeculativeConfig) and spec.method == "draft_model" and self.tp.rank == 0:
             # Rank 0 alone holds it, whole, beside its shard of the target: it proposes, the ranks verify together.
             self.draft = DraftModel(spec, model_cfg, config.model, max_model_len, self.block_size, self.device,
-                                    self.dtype, self.step_inputs)
+                                    self.dtype, self.step_inputs, config.max_num_batched_tokens or max_model_len)
+        self.draft_s = 0.0  # the draft's part of the last step (its proposals serve the next one)
 
     def param_bytes(self) -> int:
         """Bytes of this rank's weights as held (quantized ones as packed; a tied embedding and LM head once)."""
@@ -238,15 +239,19 @@ class ModelRunner:
             self.draft.forget(ids)
 
     @torch.inference_mode()
-    def execute(self, batch: StepBatch, samplers: list[ScheduledChunk]) -> StepResult:
+    def execute(self, batch: StepBatch, samplers: list[ScheduledChunk], draft_next: bool = True) -> StepResult:
         """Run a step's batch and sample it (rank 0): the next token (and logprobs if asked) of each sampling chunk,
-        and with a draft model its proposals for the next step.
+        and with a draft model (if draft_next: the next step speculates) its proposals for the next step.
 
         `samplers` are the chunks that sample, in the order of the batch's sample rows (plan_batch's second
         result). Other ranks run `forward` alone on the same batch; the collectives inside keep them in step.
         """
         tokens, logprobs, prompt = self._run(batch, samplers)
-        proposals = self.draft.step(batch, samplers, tokens, self.sampler) if self.draft is not None else {}
+        proposals: dict[str, list[int]] = {}
+        if self.draft is not None:
+            started = time.perf_counter()
+            proposals = self.draft.step(batch, samplers, tokens, self.sampler, draft_next)
+            self.draft_s = time.perf_counter() - started
         return tokens, logprobs, prompt, proposals
 
     def _run(self, batch: StepBatch, samplers: list[ScheduledChunk]) -> tuple[dict[str, list[int]],

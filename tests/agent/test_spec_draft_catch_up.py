@@ -1,0 +1,97 @@
+"""A draft model that runs only when the next step speculates: DraftSlots' rules on their own, and through the engine
+the draft catching its K/V up after steps it skipped (and over prefix-cache hits on blocks it never computed), in
+parts where the catch-up exceeds a step's token budget, so that the target as its own draft is still always right."""
+
+from __future__ import annotations
+
+import itertools
+import random
+from collections.abc import Callable
+
+import numpy as np
+import pytest
+from spec_helpers import drafted, run, same
+
+from kvfleet_agent.core.scheduler_output import ScheduledChunk
+from kvfleet_agent.core.spec_switch import SpecSwitch
+from kvfleet_agent.sampling_params import SamplingParams
+from kvfleet_agent.worker.draft_slots import DraftSlots
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=50)
+TABLE = [5, 2, 7]  # block size 4: positions 0-3 in block 5, 4-7 in block 2, 8-11 in block 7
+
+
+def chunk(tokens: list[int], start: int, draft: int = 0) -> ScheduledChunk:
+    return ScheduledChunk("r", tokens, start, TABLE, True, GREEDY, draft=tokens[len(tokens) - draft:] if draft else [])
+
+
+def wrote(slots: DraftSlots, c: ScheduledChunk, emitted: list[int]) -> None:
+    """The target ran chunk c alone and emitted these tokens."""
+    where = slots.slots(c.block_table, c.start_pos, c.start_pos + len(c.token_ids))
+    slots.target_wrote(np.asarray(c.token_ids), where, [c], {"r": emitted})
+
+
+def test_a_prompt_is_stale_until_the_draft_computes_it() -> None:
+    s = DraftSlots(8, 4)
+    wrote(s, chunk([1, 2, 3, 4, 5, 6], 0), [9])
+    assert s.first_stale("r", TABLE, 6) == 0 and s.tokens(TABLE, 0, 6) == [1, 2, 3, 4, 5, 6]
+    s.computed("r", TABLE, 0, 7)  # the catch-up, with the newest token 9 at position 6
+    assert s.first_stale("r", TABLE, 6) == 6
+
+
+def test_accepted_guesses_stay_valid_and_rejected_ones_do_not() -> None:
+    s = DraftSlots(8, 4)
+    wrote(s, chunk([1, 2, 3, 4, 5, 6], 0), [9])
+    s.computed("r", TABLE, 0, 7)
+    s.proposed("r", 6, [9, 10, 11, 12])  # the draft wrote 9 at 6 and its guesses 10, 11, 12 at 7, 8, 9
+    # Verified [9, 10, 11, 12, 13]: accepts 10 and 11, rejects 12 (emits 20 at position 9).
+    wrote(s, chunk([9, 10, 11, 12, 13], 6, draft=4), [10, 11, 20])
+    assert s.first_stale("r", TABLE, 9) == 9  # positions 6..8 hold the draft's K/V of the kept tokens
+    assert not s.ok[s.slots(TABLE, 9, 11)].any()  # the rejected guess's slot (and the one after) are stale
+
+
+def test_a_skipped_step_leaves_its_token_stale_and_a_plain_decode_of_a_computed_token_does_not() -> None:
+    s = DraftSlots(8, 4)
+    wrote(s, chunk([1, 2, 3], 0), [4])
+    s.computed("r", TABLE, 0, 4)
+    s.proposed("r", 3, [4, 8])
+    wrote(s, chunk([4], 3), [5])  # no drafts sent, but the draft had computed 4 at position 3
+    wrote(s, chunk([5], 4), [6])  # the draft did not run after the last step: 5 at position 4 is new to it
+    assert s.first_stale("r", TABLE, 5) == 4
+
+
+def test_a_new_prompt_in_reused_blocks_is_stale_and_rescanned_from_its_start() -> None:
+    s = DraftSlots(8, 4)
+    wrote(s, chunk([1, 2, 3, 4, 5], 0), [6])
+    s.computed("r", TABLE, 0, 6)
+    assert s.first_stale("r", TABLE, 5) == 5
+    wrote(s, chunk([1, 2, 9, 4, 5], 0), [6])  # a recomputation (or another sequence) over the same slots
+    assert s.first_stale("r", TABLE, 5) == 0
+
+
+def every_other_pair() -> Callable[[SpecSwitch, int], bool]:
+    """A switch that speculates two steps in five: the draft skips three steps of every five."""
+    pattern = itertools.cycle([False, False, True, False, True])
+    return lambda self, batch: next(pattern)
+
+
+@pytest.mark.parametrize("budget", [64, 16])
+def test_the_draft_catches_up_after_skipped_steps_and_over_prefix_hits(tiny_checkpoint: Callable[..., str],
+                                                                        monkeypatch: pytest.MonkeyPatch,
+                                                                        budget: int) -> None:
+    target = tiny_checkpoint("llama")
+    rng = random.Random(1)
+    shared = [rng.randrange(4, 512) for _ in range(36)]  # blocks the first request computes, the others hit
+    prompts = [{"prompt_token_ids": shared + [rng.randrange(4, 512) for _ in range(rng.randint(1, 20))]}
+               for _ in range(6)]
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    options = {"max_num_batched_tokens": budget, "max_num_seqs": 4}
+    plain, _ = run(target, prompts, params, None, **options)
+    monkeypatch.setattr(SpecSwitch, "choose", every_other_pair())
+    spec = {"method": "draft_model", "model": target, "num_speculative_tokens": 3, "adaptive": True}
+    outs, llm = run(target, prompts, params, spec, **options)
+    same(plain, outs)
+    proposed, accepted = drafted(llm)
+    # Right every time (up to float rounding) only if what the draft caught up on is the target's own sequence.
+    assert proposed > 40 and accepted >= 0.95 * proposed, (proposed, accepted)
+    assert llm.engine.kv.prefix_hits > 0
