@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from kvfleet_agent.core.spec_switch import EXPLORE_EVERY, MIN_SAMPLES, SpecSwitch, bucket
+from kvfleet_agent.core.spec_switch import EXPLORE_EVERY, EXPLORE_RUN, MIN_SAMPLES, SpecSwitch, bucket
 
 
 def drive(switch: SpecSwitch, batch: int, rate_on: float, rate_off: float, steps: int) -> list[bool]:
@@ -20,10 +20,12 @@ def test_it_learns_both_modes_then_keeps_the_faster_exploring_rarely() -> None:
     chosen = drive(switch, 64, rate_on=500.0, rate_off=1000.0, steps=2 * MIN_SAMPLES + 320)
     assert chosen[:MIN_SAMPLES] == [True] * MIN_SAMPLES and chosen[MIN_SAMPLES:2 * MIN_SAMPLES] == [False] * MIN_SAMPLES
     tail = chosen[2 * MIN_SAMPLES:]
-    assert sum(tail) == len(tail) // EXPLORE_EVERY  # speculating only to explore
-    # The loss bound: throughput over the tail within 1/EXPLORE_EVERY of the better mode's.
+    runs = [i for i in range(1, len(tail)) if tail[i] and not tail[i - 1]]
+    assert sum(tail) == len(runs) * EXPLORE_RUN and len(runs) >= len(tail) // EXPLORE_EVERY  # only to explore, in runs
+    assert all(tail[i:i + EXPLORE_RUN] == [True] * EXPLORE_RUN for i in runs)
+    # The loss bound: throughput over the tail within EXPLORE_RUN/EXPLORE_EVERY of the better mode's.
     seconds = sum(100 / (500.0 if on else 1000.0) for on in tail)
-    assert len(tail) * 100 / seconds >= 1000.0 * (1 - 1 / EXPLORE_EVERY) * 0.97
+    assert len(tail) * 100 / seconds >= 1000.0 * (1 - EXPLORE_RUN / EXPLORE_EVERY) * 0.97
 
 
 def test_speculation_is_kept_where_it_pays_and_buckets_are_separate() -> None:

@@ -4,15 +4,18 @@ The step-time model (spec_policy.py) prices a draft token at the marginal cost o
 a verification costs more than its tokens on some hardware (a verification runs as a short prefill: its own
 attention call and bookkeeping), so at large batch the model can keep speculating where it loses. The switch needs
 no model: per batch-size bucket (powers of two) it keeps the exponentially weighted tokens/s of pure-decode steps
-that speculated and of those that did not, takes the better mode, and tries the other one step in EXPLORE_EVERY so
-that a change (acceptance, batch mix) is seen. Exploring costs at most 1/EXPLORE_EVERY of the loss between the two.
+that speculated and of those that did not, takes the better mode, and tries the other for EXPLORE_RUN steps in
+EXPLORE_EVERY so that a change (acceptance, batch mix) is seen. Runs, not single steps: a draft model that was off
+must first catch up, so the first step of a run is a transition its caller may leave unmeasured, and the rest show
+the mode's steady rate. Exploring costs at most EXPLORE_RUN/EXPLORE_EVERY of the loss between the two modes.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-EXPLORE_EVERY = 32
+EXPLORE_EVERY = 64
+EXPLORE_RUN = 3
 MIN_SAMPLES = 4  # steps of each mode in a bucket before the comparison is trusted
 DECAY = 0.9  # per observation: recent steps count most
 
@@ -25,7 +28,7 @@ class _Rate:
     seconds: float = 0.0
     n: int = 0
 
-    def add(self, tokens: int, seconds: float) -> None:
+    def add(self, tokens: float, seconds: float) -> None:
         self.tokens = DECAY * self.tokens + tokens
         self.seconds = DECAY * self.seconds + seconds
         self.n += 1
@@ -57,9 +60,9 @@ class SpecSwitch:
         if off.n < MIN_SAMPLES:
             return False
         best = on.rate >= off.rate
-        return not best if count % EXPLORE_EVERY == 0 else best
+        return not best if count % EXPLORE_EVERY < EXPLORE_RUN else best
 
-    def observe(self, batch: int, speculated: bool, tokens: int, seconds: float) -> None:
+    def observe(self, batch: int, speculated: bool, tokens: float, seconds: float) -> None:
         """A pure-decode step of `batch` requests delivered `tokens` tokens in `seconds`."""
         if tokens > 0 and seconds > 0:
             self.rates.setdefault((bucket(batch), speculated), _Rate()).add(tokens, seconds)

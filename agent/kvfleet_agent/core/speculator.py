@@ -64,6 +64,7 @@ class Speculator:
         # A draft model proposes after a step for the next one, and costs k forwards whether or not its drafts are
         # sent, so the switch decides one step ahead for it: draft_next says whether it runs after this step.
         self.draft_next = True
+        self._last_choice: bool | None = None  # the previous step's mode (a draft model's transitions go unmeasured)
 
     def propose(self, decodes: Sequence[Request], num_other_tokens: int, budget: int) -> dict[str, list[int]]:
         """Drafts for this step's decode requests (only those that get any), within `budget` extra tokens."""
@@ -122,10 +123,26 @@ class Speculator:
     def observe_step(self, out: SchedulerOutput, tokens: int, execute_s: float, step_s: float) -> None:
         """A step ended: its model pass took execute_s (the policy's step-time model, over the tokens computed), and
         the whole step step_s to deliver `tokens` tokens. A pure-decode step (every chunk a decode or a
-        verification) that made a speculation choice teaches the switch its throughput."""
+        verification) that made a speculation choice teaches the switch its throughput.
+
+        The switch is taught the tokens the step's verifications were expected to yield under the acceptance the
+        policy has learnt over every verification and shadow guess, rather than the `tokens` they happened to yield:
+        one verification yields 0 to k drafts, and the switch sees few steps of the mode it is not in, so realised
+        tokens would make its choice a coin toss where the measured step time is steady."""
         self.policy.observe_step(out.num_batched_tokens, execute_s)
-        if self.choice is not None and all(c.sample and len(c.token_ids) == 1 + len(c.draft) for c in out.chunks):
-            self.switch.observe(self.choice[0], self.choice[1], tokens, step_s)
+        if self.choice is None:
+            return
+        # A draft model's first step on after steps off carries its catch-up: a cost of switching, not of the mode.
+        steady = self.config.method == "ngram" or self._last_choice == self.choice[1]
+        self._last_choice = self.choice[1]
+        if steady and all(c.sample and len(c.token_ids) == 1 + len(c.draft) for c in out.chunks):
+            expected = sum(self._expected_tokens(c.request_id, len(c.draft)) for c in out.chunks)
+            self.switch.observe(self.choice[0], self.choice[1], expected, step_s)
+
+    def _expected_tokens(self, request_id: str, drafts: int) -> float:
+        """1 + α + α² + ... + α^drafts: the tokens a verification of `drafts` drafts yields on average."""
+        alpha = self.policy.acceptance(request_id)
+        return sum(alpha ** j for j in range(drafts + 1))
 
     def set_proposals(self, proposals: Mapping[str, list[int]]) -> None:
         """A draft model's proposals for the next step (replacing the previous ones)."""
