@@ -6,7 +6,9 @@ STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | sha256sum | cut -c1-12)
 
 .PHONY: setup demo demo-offline test lint unit cluster-bins prom-bins cluster-test bench cluster-up cluster-down clean
 
+# The CPU C++ ops are built here (cached by version outside the repo), not when an engine first needs them.
 setup: $(STAMP)
+	$(PY) -m kvfleet_kernels.build_cpu
 
 # Reinstalls only when pyproject.toml changes; pip's own cache (outside the repo) serves the wheels.
 $(STAMP): pyproject.toml

@@ -46,6 +46,10 @@ class Kubelet:
         self.max_probe_period = max_probe_period
         self.host_ip = "10.249.0.1"
         self.base_env = {k: v for k, v in os.environ.items() if k in ("PATH", "LANG", "LC_ALL", "PYTHONPATH")}
+        # The CPU C++ ops `make setup` built, as the agent image carries its own (KVFLEET_EXT_CACHE, set there):
+        # a pod's HOME is its own folder, where it would otherwise build them again at start-up.
+        self.base_env["KVFLEET_EXT_CACHE"] = os.environ.get("KVFLEET_EXT_CACHE") or str(
+            Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "kvfleet/ext")
         self.nodes: set[str] = set()
         self.pods: dict[str, PodRunner] = {}
         self.terminating: dict[str, asyncio.Task[None]] = {}  # pod uid → its termination, once per pod

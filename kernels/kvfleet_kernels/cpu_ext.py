@@ -23,6 +23,13 @@ LDFLAGS = ["-fopenmp"]  # the same libgomp torch already loaded: one OpenMP pool
 CACHE_ENV = "KVFLEET_EXT_CACHE"  # where builds are kept (default ~/.cache/kvfleet/ext)
 
 
+def cache_root() -> Path:
+    """Where builds are kept: $KVFLEET_EXT_CACHE, else $XDG_CACHE_HOME/kvfleet/ext, else ~/.cache/kvfleet/ext."""
+    if root := os.environ.get(CACHE_ENV):
+        return Path(root)
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "kvfleet/ext"
+
+
 class Extension:
     """One C++ source built into a shared library of torch ops (namespace = name), loaded by the first available().
 
@@ -38,8 +45,7 @@ class Extension:
 
     def build_dir(self) -> Path:
         """This build's cache folder: keyed by the source, flags, torch, Python and machine, outside the repository."""
-        root = os.environ.get(CACHE_ENV) or Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / \
-            "kvfleet/ext"
+        root = cache_root()
         parts = [self.source.read_bytes(), " ".join(CFLAGS + LDFLAGS).encode(), torch.__version__.encode(),
                  sys.version.encode(), platform.machine().encode()]
         key = hashlib.sha256(b"\0".join(parts)).hexdigest()[:16]

@@ -2,6 +2,8 @@
 
 Decode attention on CPU runs cpu_attention's C++ kernel instead where it is built and reads the dtypes (it
 reads the cache in place; the reference gathers a padded copy first), KVFLEET_CPU_ATTENTION_EXT=0 to turn it off.
+RMSNorm, rotary and SwiGLU's activation on CPU run cpu_fused's one-pass C++ ops likewise (a decode step of a small
+model is mostly the per-op cost of their several PyTorch ops each), KVFLEET_CPU_FUSED_EXT=0 to turn them off.
 """
 
 import importlib
@@ -12,10 +14,11 @@ from typing import cast
 
 import torch
 
-from kvfleet_kernels import cpu_attention, reference
+from kvfleet_kernels import cpu_attention, cpu_fused, reference
 
 __all__ = ["FORCE_ENV", "add_rms_norm", "backend", "causal_attention", "interpreting", "kernel_module",
            "paged_decode_attention", "paged_prefill_attention", "planned_decode_attention", "rms_norm", "rotary",
+           "silu_and_mul",
            "write_kv"]
 
 # KVFLEET_FORCE_TRITON=1 runs the Triton kernels on CPU tensors too, in Triton's interpreter, which the process
@@ -58,6 +61,8 @@ def _kernels(name: str, x: torch.Tensor) -> ModuleType | None:
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     if (ops := _kernels("fused", x)) is None:
+        if cpu_fused.supports(x):
+            return cpu_fused.rms_norm(x, weight, eps)
         return reference.rms_norm(x, weight, eps)
     return cast(torch.Tensor, ops.rms_norm(x, weight, eps))
 
@@ -65,14 +70,25 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
                  eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     if (ops := _kernels("fused", x)) is None:
+        if cpu_fused.supports(x) and residual.dtype == x.dtype:
+            return cpu_fused.add_rms_norm(x, residual, weight, eps)
         return reference.add_rms_norm(x, residual, weight, eps)
     return cast(tuple[torch.Tensor, torch.Tensor], ops.add_rms_norm(x, residual, weight, eps))
 
 
 def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     if (ops := _kernels("fused", x)) is None:
+        if cpu_fused.supports(x) and cos.dtype == sin.dtype == x.dtype:
+            return cpu_fused.rotary(x, cos, sin)
         return reference.rotary(x, cos, sin)
     return cast(torch.Tensor, ops.rotary(x, cos, sin))
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up, [..., 2N] → [..., N]: cpu_fused's op on CPU, the reference (in place over gate_up) elsewhere."""
+    if backend(gate_up) == "reference" and cpu_fused.supports(gate_up):
+        return cpu_fused.silu_and_mul(gate_up)
+    return reference.silu_and_mul(gate_up)
 
 
 # The k_scale / v_scale arguments: [N, bs, KVH] float32 beside an int8 or fp8 cache (kv_quant.py), else None.

@@ -5,7 +5,6 @@ from __future__ import annotations
 from typing import ClassVar
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from kvfleet_agent.layers.attention import AttentionMetadata, PagedAttention
@@ -15,6 +14,7 @@ from kvfleet_agent.layers.norm import RMSNorm
 from kvfleet_agent.layers.rotary import RotaryEmbedding
 from kvfleet_agent.layers.tp_group import TPGroup
 from kvfleet_agent.models.config import ModelConfig
+from kvfleet_kernels import dispatch
 
 
 class LlamaAttention(nn.Module):
@@ -61,9 +61,7 @@ class LlamaMLP(nn.Module):
         self.down_proj = RowParallelLinear(n, cfg.hidden_size, cfg.mlp_bias, tp, quant)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        # In place: the packed output is ours, and a step's [T, intermediate] temporaries are its largest.
-        return self.down_proj(F.silu(gate, inplace=True).mul_(up))  # type: ignore[no-any-return]
+        return self.down_proj(dispatch.silu_and_mul(self.gate_up_proj(x)))  # type: ignore[no-any-return]
 
 
 class LlamaDecoderLayer(nn.Module):
