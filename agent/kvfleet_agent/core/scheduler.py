@@ -91,8 +91,8 @@ class Scheduler:
         self._lookahead(chunks)
 
         finished, self._finished = self._finished, []
-        draft_next = self.speculator is None or self.speculator.draft_next
-        return SchedulerOutput(chunks, self.max_num_batched_tokens - budget, preempted, finished, draft_next)
+        draft_k = -1 if self.speculator is None else self.speculator.draft_k
+        return SchedulerOutput(chunks, self.max_num_batched_tokens - budget, preempted, finished, draft_k)
 
     def _drafts(self, budget: int) -> dict[str, list[int]]:
         """This step's speculation: draft tokens for running decodes (none without a speculator)."""

@@ -47,5 +47,6 @@ class SchedulerOutput:
     num_batched_tokens: int
     preempted: list[str] = field(default_factory=list)
     finished: list[str] = field(default_factory=list)  # finished since the last step: drop their state
-    # A draft model proposes after this step, for the next (the speculator decided that step speculates).
-    draft_next: bool = True
+    # Drafts a draft model proposes after this step, for the next, per request (0: it does not run; the speculator
+    # decided the next step does not speculate). -1: as many as it is configured for.
+    draft_k: int = -1

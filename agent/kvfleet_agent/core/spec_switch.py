@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 EXPLORE_EVERY = 64
 EXPLORE_RUN = 3
-MIN_SAMPLES = 4  # steps of each mode in a bucket before the comparison is trusted
+MIN_SAMPLES = 16  # steps of each mode in a bucket before the comparison is trusted (a verification yields 0..k)
 DECAY = 0.9  # per observation: recent steps count most
 
 

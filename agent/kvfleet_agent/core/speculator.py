@@ -62,8 +62,13 @@ class Speculator:
         self.switch = SpecSwitch()
         self.choice: tuple[int, bool] | None = None  # this step's (decode requests, whether it speculates)
         # A draft model proposes after a step for the next one, and costs k forwards whether or not its drafts are
-        # sent, so the switch decides one step ahead for it: draft_next says whether it runs after this step.
+        # sent, so the switch decides one step ahead for it: draft_next says whether it runs after this step, and
+        # draft_k how many tokens it proposes then (-1: its configured k, 0: it does not run).
         self.draft_next = True
+        self.draft_k = -1
+        self._forward_s: float | None = None  # a draft forward's seconds, exponentially weighted
+        self._overhead_s: float | None = None  # a step's seconds outside the model pass, likewise
+        self._draft_s = 0.0  # the draft's seconds in the last step, which count toward this one
         self._last_choice: bool | None = None  # the previous step's mode (a draft model's transitions go unmeasured)
 
     def propose(self, decodes: Sequence[Request], num_other_tokens: int, budget: int) -> dict[str, list[int]]:
@@ -85,6 +90,7 @@ class Speculator:
                 # not the draft had anything to propose, so the switch sees both modes.
                 self.choice = (n, self.draft_next)
             self.draft_next = (limit is None or n < limit) and (not self.config.adaptive or self.switch.choose(n))
+            self.draft_k = (self._best_k(n) if self.config.adaptive else -1) if self.draft_next else 0
         elif proposals and self.config.adaptive:
             self.choice = (len(decodes), self.switch.choose(len(decodes)))
         plan = self.policy.plan([(rid, len(d)) for rid, d in proposals.items()], num_other_tokens,
@@ -130,6 +136,8 @@ class Speculator:
         one verification yields 0 to k drafts, and the switch sees few steps of the mode it is not in, so realised
         tokens would make its choice a coin toss where the measured step time is steady."""
         self.policy.observe_step(out.num_batched_tokens, execute_s)
+        overhead = max(0.0, step_s - execute_s - self._draft_s)  # step_s carries the previous step's draft work
+        self._overhead_s = overhead if self._overhead_s is None else 0.9 * self._overhead_s + 0.1 * overhead
         if self.choice is None:
             return
         # A draft model's first step on after steps off carries its catch-up: a cost of switching, not of the mode.
@@ -138,6 +146,31 @@ class Speculator:
         if steady and all(c.sample and len(c.token_ids) == 1 + len(c.draft) for c in out.chunks):
             expected = sum(self._expected_tokens(c.request_id, len(c.draft)) for c in out.chunks)
             self.switch.observe(self.choice[0], self.choice[1], expected, step_s)
+
+    def observe_draft(self, seconds: float, forwards: int) -> None:
+        """A draft model ran `forwards` forwards in `seconds` (what its next proposals will cost, per token)."""
+        self._draft_s = seconds
+        if forwards > 0:
+            per = seconds / forwards
+            self._forward_s = per if self._forward_s is None else 0.9 * self._forward_s + 0.1 * per
+
+    def _best_k(self, decodes: int) -> int:
+        """The draft model's tokens per request for a step of `decodes` decodes: the j in 1..k that maximises the
+        expected tokens per second, (decodes * (1 + α + ... + α^j)) / (step(decodes * (1 + j)) + j * forward), with the
+        policy's step-time fit and acceptance and the measured draft forward (j proposals take j forwards: the
+        catch-up's, then one per further token). -1 (all k) until both are measured."""
+        k = self.config.num_speculative_tokens
+        if self._forward_s is None or self._overhead_s is None or not self.policy.step_time.steps:
+            return -1
+        a, b = self.policy.step_time.coefficients()
+        alpha = self.policy.global_acceptance()
+        best, best_rate = 1, 0.0
+        for j in range(1, k + 1):
+            tokens = decodes * sum(alpha ** i for i in range(j + 1))
+            seconds = self._overhead_s + a + b * decodes * (1 + j) + j * self._forward_s
+            if tokens / seconds > best_rate:
+                best, best_rate = j, tokens / seconds
+        return best
 
     def _expected_tokens(self, request_id: str, drafts: int) -> float:
         """1 + α + α² + ... + α^drafts: the tokens a verification of `drafts` drafts yields on average."""

@@ -257,6 +257,7 @@ class LLMEngine:
             draft_s = self.executor.runner.draft_s
             self.speculator.observe_step(plan, delivered, execute_s - draft_s,
                                          time.perf_counter() - step_start - draft_s + self._draft_s)
+            self.speculator.observe_draft(draft_s, self.executor.runner.draft_forwards)
             self._draft_s = draft_s
         out = []
         for req in advanced:

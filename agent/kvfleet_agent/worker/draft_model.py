@@ -60,7 +60,7 @@ class DraftModel:
     """The draft: the target's model class on a smaller checkpoint, unsharded, with its own paged K/V.
 
     Its K/V pool mirrors the target's block for block (same number of blocks, same block size) and is addressed by
-    the target's block tables. It runs only after steps whose next step speculates (`propose`): then, for each
+    the target's block tables. It runs only after steps whose next step speculates (k > 0): then, for each
     eligible request that sampled, it catches its K/V up from the first stale position (DraftSlots: what it skipped
     while off, a new prompt, a prefix-cache hit on blocks it never computed) to the request's newest token, in one
     forward with every other such request, which yields the first proposal; k - 1 batched decode forwards give the
@@ -79,6 +79,7 @@ class DraftModel:
         self.step_inputs = step_inputs
         self.max_batched_tokens = max_batched_tokens  # a step's catch-up stays within what the profile pass ran
         self.slots = DraftSlots(0, block_size)
+        self.forwards = 0  # forwards the last step ran (the catch-up's, then one per further proposal)
         with torch.device(device):
             self.model = LlamaForCausalLM(self.cfg, max_model_len, dtype, TPGroup()).to(dtype)
         self.loaded_bytes = load_weights(self.model, spec.model)
@@ -146,11 +147,13 @@ class DraftModel:
 
     @torch.inference_mode()
     def step(self, batch: StepBatch, samplers: Sequence[ScheduledChunk], emitted: Mapping[str, Sequence[int]],
-             sampler: Sampler, propose: bool = True) -> dict[str, list[int]]:
-        """Note what the target wrote and kept; when the next step speculates (`propose`), catch up and propose for
-        the eligible requests that sampled."""
+             sampler: Sampler, k: int = -1) -> dict[str, list[int]]:
+        """Note what the target wrote and kept; when the next step speculates (k != 0), catch up and propose up to k
+        tokens (-1: the configured k) for the eligible requests that sampled."""
         self.slots.target_wrote(batch.input_ids, batch.slot_mapping, samplers, emitted)
         self.proposed = {}
+        self.forwards = 0
+        k = self.k if k < 0 else min(k, self.k)
         rows: list[_Row] = []
         for c in samplers:
             out = emitted.get(c.request_id)
@@ -159,9 +162,9 @@ class DraftModel:
             count = self.num_output[c.request_id] = self.num_output.get(c.request_id, 0) + len(out)
             pos = c.start_pos + len(c.token_ids) - len(c.draft) + len(out) - 1
             # The speculator's room (max_tokens, max_model_len) and the blocks the scheduler's lookahead got.
-            n = min(self.k, c.sampling_params.max_tokens - count - 1, self.max_model_len - pos - 2,
+            n = min(k, c.sampling_params.max_tokens - count - 1, self.max_model_len - pos - 2,
                     len(c.block_table) * self.block_size - pos)
-            if propose and n > 0 and speculates(c.sampling_params):
+            if n > 0 and speculates(c.sampling_params):
                 rows.append(_Row(c.request_id, c.sampling_params, sampler.generator(c.request_id, c.sampling_params),
                                  pos, n, c.block_table, [out[-1]]))
         if not rows:
@@ -170,6 +173,7 @@ class DraftModel:
         plan, order = plan_batch(chunks, self.block_size)
         ids, positions, sample_rows, meta = self.step_inputs(plan)
         hidden = self.model(ids, positions, meta)
+        self.forwards = 1
         for c in chunks:
             self.slots.computed(c.request_id, c.block_table, c.start_pos, c.start_pos + len(c.token_ids))
         if not rows:
@@ -229,6 +233,7 @@ class DraftModel:
                              np.arange(len(active), dtype=np.int64))
             _, positions, _, meta = self.step_inputs(step)
             logits = self.model.compute_logits(self.model(tokens, positions, meta))
+            self.forwards += 1
             tokens = self._pick(logits, [rows[i] for i in active])
             picked.append((active, tokens))
         flat: list[int] = torch.cat([t for _, t in picked]).tolist()

@@ -199,10 +199,10 @@ class Executor:
             return {}, {}, {}, {}
         batch, samplers = plan_batch(out.chunks, self.runner.block_size)
         if not self.workers:
-            return self.runner.execute(batch, samplers, out.draft_next)
+            return self.runner.execute(batch, samplers, out.draft_k)
         try:
             self._publish(batch)  # before rank 0 runs it: the ranks run the same forward pass on their shards
-            return self.runner.execute(batch, samplers, out.draft_next)
+            return self.runner.execute(batch, samplers, out.draft_k)
         except BaseException as e:
             # Whatever broke the step (a peer, a pipe, rank 0 itself, even Ctrl-C), the ranks may now
             # be at different collectives: running another step could pair them wrongly and return

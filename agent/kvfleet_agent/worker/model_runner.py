@@ -88,6 +88,7 @@ class ModelRunner:
             self.draft = DraftModel(spec, model_cfg, config.model, max_model_len, self.block_size, self.device,
                                     self.dtype, self.step_inputs, config.max_num_batched_tokens or max_model_len)
         self.draft_s = 0.0  # the draft's part of the last step (its proposals serve the next one)
+        self.draft_forwards = 0  # and the forwards it ran then
 
     def param_bytes(self) -> int:
         """Bytes of this rank's weights as held (quantized ones as packed; a tied embedding and LM head once)."""
@@ -239,9 +240,9 @@ class ModelRunner:
             self.draft.forget(ids)
 
     @torch.inference_mode()
-    def execute(self, batch: StepBatch, samplers: list[ScheduledChunk], draft_next: bool = True) -> StepResult:
+    def execute(self, batch: StepBatch, samplers: list[ScheduledChunk], draft_k: int = -1) -> StepResult:
         """Run a step's batch and sample it (rank 0): the next token (and logprobs if asked) of each sampling chunk,
-        and with a draft model (if draft_next: the next step speculates) its proposals for the next step.
+        and with a draft model its proposals for the next step: draft_k per request (0: none, -1: its k).
 
         `samplers` are the chunks that sample, in the order of the batch's sample rows (plan_batch's second
         result). Other ranks run `forward` alone on the same batch; the collectives inside keep them in step.
@@ -250,8 +251,9 @@ class ModelRunner:
         proposals: dict[str, list[int]] = {}
         if self.draft is not None:
             started = time.perf_counter()
-            proposals = self.draft.step(batch, samplers, tokens, self.sampler, draft_next)
+            proposals = self.draft.step(batch, samplers, tokens, self.sampler, draft_k)
             self.draft_s = time.perf_counter() - started
+            self.draft_forwards = self.draft.forwards
         return tokens, logprobs, prompt, proposals
 
     def _run(self, batch: StepBatch, samplers: list[ScheduledChunk]) -> tuple[dict[str, list[int]],
