@@ -1,6 +1,7 @@
 """A draft model that runs only when the next step speculates: DraftSlots' rules on their own, and through the engine
 the draft catching its K/V up after steps it skipped (and over prefix-cache hits on blocks it never computed), in
-parts where the catch-up exceeds a step's token budget, so that the target as its own draft is still always right."""
+parts where the catch-up exceeds a step's token budget, so that the target as its own draft is still always right;
+and the number of tokens it proposes, from acceptance and costs."""
 
 from __future__ import annotations
 
@@ -14,7 +15,9 @@ from spec_helpers import drafted, run, same
 
 from kvfleet_agent.core.scheduler_output import ScheduledChunk
 from kvfleet_agent.core.spec_switch import SpecSwitch
+from kvfleet_agent.core.speculator import Speculator
 from kvfleet_agent.sampling_params import SamplingParams
+from kvfleet_agent.spec_config import SpeculativeConfig
 from kvfleet_agent.worker.draft_slots import DraftSlots
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=50)
@@ -88,6 +91,7 @@ def test_the_draft_catches_up_after_skipped_steps_and_over_prefix_hits(tiny_chec
     options = {"max_num_batched_tokens": budget, "max_num_seqs": 4}
     plain, _ = run(target, prompts, params, None, **options)
     monkeypatch.setattr(SpecSwitch, "choose", every_other_pair())
+    monkeypatch.setattr(Speculator, "_best_k", lambda self, decodes: -1)  # all k drafts whenever the draft runs
     spec = {"method": "draft_model", "model": target, "num_speculative_tokens": 3, "adaptive": True}
     outs, llm = run(target, prompts, params, spec, **options)
     same(plain, outs)
@@ -95,3 +99,23 @@ def test_the_draft_catches_up_after_skipped_steps_and_over_prefix_hits(tiny_chec
     # Right every time (up to float rounding) only if what the draft caught up on is the target's own sequence.
     assert proposed > 40 and accepted >= 0.95 * proposed, (proposed, accepted)
     assert llm.engine.kv.prefix_hits > 0
+
+
+def test_the_draft_proposes_more_the_cheaper_its_forward_and_the_likelier_acceptance() -> None:
+    config = {"method": "draft_model", "model": "unused", "num_speculative_tokens": 5}
+    spec = Speculator(SpeculativeConfig.parse(config))
+    assert spec._best_k(1) == -1  # nothing measured yet: all of k
+    for _ in range(32):  # a target step of 10 ms whatever its tokens (batch 1: memory-bound)
+        spec.policy.observe_step(6, 0.010)
+    spec._overhead_s = 0.0
+    spec.policy.observe("r", 5, 5)  # every draft accepted, many times over: α near 1
+    for _ in range(40):
+        spec.policy.observe("r", 5, 5)
+    spec.observe_draft(0.001 * 3, 3)  # a draft forward a tenth of the target's
+    assert spec._best_k(1) == 5
+    for _ in range(200):
+        spec.policy.observe("r", 5, 0)  # now nothing is accepted
+    spec.observe_draft(0.009 * 3, 3)
+    for _ in range(60):
+        spec.observe_draft(0.009 * 3, 3)  # and a draft forward costs nearly a target step
+    assert spec._best_k(1) == 1
