@@ -24,12 +24,7 @@
 #include <type_traits>
 #include <vector>
 
-#if defined(__x86_64__) || defined(_M_X64)
-#include <immintrin.h>
-#define KVF_X86 1
-#define KVF_AVX2 __attribute__((target("avx2,fma")))
-#define KVF_UNROLL _Pragma("GCC unroll 16")
-#endif
+#include "cpu_simd.h"
 
 namespace {
 
@@ -123,20 +118,6 @@ KVF_AVX2 inline __m256 hsum8(const __m256* v) {
   return _mm256_add_ps(_mm256_permute2f128_ps(a, b, 0x20), _mm256_permute2f128_ps(a, b, 0x31));
 }
 
-// e^x for x <= 0 (Cephes' expf: reduction by ln 2, degree-5 polynomial; ~2 ulp). Below -87 it gives ~1e-38,
-// not 0: a weight that small vanishes beside the max's 1 either way.
-KVF_AVX2 inline __m256 exp8(__m256 x) {
-  x = _mm256_max_ps(x, _mm256_set1_ps(-87.f));
-  const __m256 n = _mm256_floor_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504f), _mm256_set1_ps(0.5f)));
-  x = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-  x = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), x);
-  __m256 y = _mm256_set1_ps(1.9875691500e-4f);
-  for (const float c : {1.3981999507e-3f, 8.3334519073e-3f, 4.1665795894e-2f, 1.6666665459e-1f, 5.0000001201e-1f})
-    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(c));
-  y = _mm256_fmadd_ps(y, _mm256_mul_ps(x, x), _mm256_add_ps(x, _mm256_set1_ps(1.f)));
-  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-  return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
-}
 
 // 8 dot products at a time, TN tokens x GH heads: each K vector converted once, 8 independent FMA chains.
 template <int GH, typename T>
@@ -227,12 +208,6 @@ struct Avx2 {
   }
 };
 
-bool has_avx2() {
-  static const bool yes = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-  return yes;
-}
-#else
-bool has_avx2() { return false; }
 #endif
 
 // KV heads [h0, h1) of a sequence (a's pointers at head 0), in lockstep chunk by chunk -> out [n, D], n = the

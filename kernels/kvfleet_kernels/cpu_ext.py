@@ -46,7 +46,8 @@ class Extension:
     def build_dir(self) -> Path:
         """This build's cache folder: keyed by the source, flags, torch, Python and machine, outside the repository."""
         root = cache_root()
-        parts = [self.source.read_bytes(), " ".join(CFLAGS + LDFLAGS).encode(), torch.__version__.encode(),
+        headers = [h.read_bytes() for h in sorted(self.source.parent.glob("*.h"))]  # cpu_simd.h, shared
+        parts = [self.source.read_bytes(), *headers, " ".join(CFLAGS + LDFLAGS).encode(), torch.__version__.encode(),
                  sys.version.encode(), platform.machine().encode()]
         key = hashlib.sha256(b"\0".join(parts)).hexdigest()[:16]
         return Path(root) / f"{self.name}-torch{torch.__version__.replace('+', '_')}-{key}"

@@ -22,11 +22,7 @@
 #include <type_traits>
 #include <vector>
 
-#if defined(__x86_64__) || defined(_M_X64)
-#include <immintrin.h>
-#define KVF_X86 1
-#define KVF_AVX2 __attribute__((target("avx2,fma")))
-#endif
+#include "cpu_simd.h"
 
 namespace {
 
@@ -152,21 +148,6 @@ KVF_AVX2 inline float hsum(__m256 v) {
   return _mm_cvtss_f32(_mm_add_ss(b, _mm_movehdup_ps(b)));
 }
 
-// e^x (Cephes' expf: reduction by ln 2, degree-5 polynomial; ~2 ulp). Above 88 it gives inf (e^88.72 is float's
-// largest), below -87 about e^-87: silu's 1 + e^-g cannot tell that from the true value.
-KVF_AVX2 inline __m256 exp8(__m256 x) {
-  const __m256 over = _mm256_cmp_ps(x, _mm256_set1_ps(88.f), _CMP_GT_OQ);
-  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.f)), _mm256_set1_ps(88.f));
-  const __m256 n = _mm256_floor_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504f), _mm256_set1_ps(0.5f)));
-  x = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-  x = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), x);
-  __m256 y = _mm256_set1_ps(1.9875691500e-4f);
-  for (const float c : {1.3981999507e-3f, 8.3334519073e-3f, 4.1665795894e-2f, 1.6666665459e-1f, 5.0000001201e-1f})
-    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(c));
-  y = _mm256_fmadd_ps(y, _mm256_mul_ps(x, x), _mm256_add_ps(x, _mm256_set1_ps(1.f)));
-  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-  return _mm256_blendv_ps(_mm256_mul_ps(y, _mm256_castsi256_ps(e)), _mm256_set1_ps(INFINITY), over);
-}
 
 template <bool ADD, typename XT, typename WT, typename OT>
 KVF_AVX2 void norm_row_avx2(const XT* x, const XT* r, XT* ro, const WT* w, OT* o, int64_t H, float eps) {
@@ -234,12 +215,6 @@ KVF_AVX2 void silu_mul_row_avx2(const T* g, const T* u, T* o, int64_t n) {
   silu_mul_row_from(g, u, o, i, n);
 }
 
-bool has_avx2() {
-  static const bool yes = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-  return yes;
-}
-#else
-bool has_avx2() { return false; }
 #endif
 
 // ---- Drivers ---------------------------------------------------------------------------------------------------

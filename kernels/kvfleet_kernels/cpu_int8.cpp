@@ -20,13 +20,7 @@
 #include <cstring>
 #include <vector>
 
-#if defined(__x86_64__) || defined(_M_X64)
-#include <immintrin.h>
-#define KVF_X86 1
-#define KVF_AVX2 __attribute__((target("avx2,fma")))
-// Fully unrolled before scalar replacement, or GCC keeps the accumulator arrays in memory (a store per FMA).
-#define KVF_UNROLL _Pragma("GCC unroll 16")
-#endif
+#include "cpu_simd.h"
 
 namespace {
 
@@ -113,12 +107,6 @@ KVF_AVX2 void rows_avx2(const float* x, int64_t lda, int64_t rows, const int8_t*
   }
 }
 
-bool has_avx2() {
-  static const bool yes = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-  return yes;
-}
-#else
-bool has_avx2() { return false; }
 #endif
 
 // y[r, 16t + j] = c[r, j] · scale[16t + j] for the columns that exist (the last tile may be partial).

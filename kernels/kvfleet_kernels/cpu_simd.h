@@ -1,0 +1,37 @@
+// What the CPU C++ ops share: the x86 AVX2 target attribute (picked at run time, no -march), the run-time check,
+// and a vector e^x. Included by cpu_attention.cpp, cpu_fused.cpp and cpu_int8.cpp; each builds its own copy.
+#pragma once
+
+#include <cmath>
+
+#if defined(__x86_64__) || defined(_M_X64)
+#include <immintrin.h>
+#define KVF_X86 1
+#define KVF_AVX2 __attribute__((target("avx2,fma")))
+// Fully unrolled before scalar replacement, or GCC keeps the accumulator arrays in memory (a store per FMA).
+#define KVF_UNROLL _Pragma("GCC unroll 16")
+
+// Whether this CPU runs the AVX2 + FMA paths (checked once).
+static inline bool has_avx2() {
+  static const bool yes = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  return yes;
+}
+
+// e^x (Cephes' expf: reduction by ln 2, degree-5 polynomial; ~2 ulp). Above 88 it gives inf (e^88.72 is float's
+// largest), below -87 about e^-87 rather than 0: beside a softmax's max of 1, or in silu's 1 + e^-g, the same.
+KVF_AVX2 static inline __m256 exp8(__m256 x) {
+  const __m256 over = _mm256_cmp_ps(x, _mm256_set1_ps(88.f), _CMP_GT_OQ);
+  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.f)), _mm256_set1_ps(88.f));
+  const __m256 n = _mm256_floor_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504f), _mm256_set1_ps(0.5f)));
+  x = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  x = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), x);
+  __m256 y = _mm256_set1_ps(1.9875691500e-4f);
+  for (const float c : {1.3981999507e-3f, 8.3334519073e-3f, 4.1665795894e-2f, 1.6666665459e-1f, 5.0000001201e-1f})
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(c));
+  y = _mm256_fmadd_ps(y, _mm256_mul_ps(x, x), _mm256_add_ps(x, _mm256_set1_ps(1.f)));
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_blendv_ps(_mm256_mul_ps(y, _mm256_castsi256_ps(e)), _mm256_set1_ps(INFINITY), over);
+}
+#else
+static inline bool has_avx2() { return false; }
+#endif
