@@ -91,9 +91,9 @@ def decode_steps(llm: Any, batch: int, prompt_len: int, new_tokens: int, timers:
     last: list[Any] = []
     run = engine.runner.execute
 
-    def keep(b: Any, samplers: Any) -> Any:
+    def keep(b: Any, samplers: Any, *rest: Any) -> Any:
         last[:] = [b]
-        return run(b, samplers)
+        return run(b, samplers, *rest)
 
     engine.runner.execute = keep
     while engine.has_unfinished():
