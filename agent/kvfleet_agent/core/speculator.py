@@ -62,13 +62,12 @@ class Speculator:
         self.switch = SpecSwitch()
         self.choice: tuple[int, bool] | None = None  # this step's (decode requests, whether it speculates)
         # A draft model proposes after a step for the next one, and costs k forwards whether or not its drafts are
-        # sent, so the switch decides one step ahead for it: draft_next says whether it runs after this step, and
-        # draft_k how many tokens it proposes then (-1: its configured k, 0: it does not run).
-        self.draft_next = True
+        # sent, so the switch decides one step ahead for it: draft_k is how many tokens it proposes after this step
+        # (-1: its configured k, 0: it does not run).
         self.draft_k = -1
         self._forward_s: float | None = None  # a draft forward's seconds, exponentially weighted
         self._overhead_s: float | None = None  # a step's seconds outside the model pass, likewise
-        self._draft_s = 0.0  # the draft's seconds in the last step, which count toward this one
+        self._draft_s = 0.0  # the draft's seconds in the last step, which served this one
         self._last_choice: bool | None = None  # the previous step's mode (a draft model's transitions go unmeasured)
 
     def propose(self, decodes: Sequence[Request], num_other_tokens: int, budget: int) -> dict[str, list[int]]:
@@ -88,9 +87,9 @@ class Speculator:
             if self.config.adaptive:
                 # This step's choice was made last step (the draft ran, or not, for it); it is measured whether or
                 # not the draft had anything to propose, so the switch sees both modes.
-                self.choice = (n, self.draft_next)
-            self.draft_next = (limit is None or n < limit) and (not self.config.adaptive or self.switch.choose(n))
-            self.draft_k = (self._best_k(n) if self.config.adaptive else -1) if self.draft_next else 0
+                self.choice = (n, self.draft_k != 0)
+            runs = (limit is None or n < limit) and (not self.config.adaptive or self.switch.choose(n))
+            self.draft_k = (self._best_k(n) if self.config.adaptive else -1) if runs else 0
         elif proposals and self.config.adaptive:
             self.choice = (len(decodes), self.switch.choose(len(decodes)))
         plan = self.policy.plan([(rid, len(d)) for rid, d in proposals.items()], num_other_tokens,
@@ -126,18 +125,24 @@ class Speculator:
         if guess is not None and req.num_new_tokens:
             self.policy.observe_shadow(rid, req.token_ids[req.num_tokens - req.num_new_tokens] == guess)
 
-    def observe_step(self, out: SchedulerOutput, tokens: int, execute_s: float, step_s: float) -> None:
-        """A step ended: its model pass took execute_s (the policy's step-time model, over the tokens computed), and
-        the whole step step_s to deliver `tokens` tokens. A pure-decode step (every chunk a decode or a
-        verification) that made a speculation choice teaches the switch its throughput.
+    def observe_step(self, out: SchedulerOutput, tokens: int, execute_s: float, step_s: float, draft_s: float = 0.0,
+                     draft_forwards: int = 0) -> None:
+        """A step ended: its model pass took execute_s, of which a draft model's proposals for the next step draft_s
+        in draft_forwards forwards, and the whole step step_s to deliver `tokens` tokens. The target's part teaches
+        the policy's step-time model (over the tokens computed); a pure-decode step (every chunk a decode or a
+        verification) that made a speculation choice teaches the switch its throughput, counting the draft work
+        done for it in the previous step rather than this step's, which serves the next.
 
         The switch is taught the tokens the step's verifications were expected to yield under the acceptance the
         policy has learnt over every verification and shadow guess, rather than the `tokens` they happened to yield:
         one verification yields 0 to k drafts, and the switch sees few steps of the mode it is not in, so realised
         tokens would make its choice a coin toss where the measured step time is steady."""
-        self.policy.observe_step(out.num_batched_tokens, execute_s)
-        overhead = max(0.0, step_s - execute_s - self._draft_s)  # step_s carries the previous step's draft work
+        self.policy.observe_step(out.num_batched_tokens, execute_s - draft_s)
+        overhead = max(0.0, step_s - execute_s)
         self._overhead_s = overhead if self._overhead_s is None else 0.9 * self._overhead_s + 0.1 * overhead
+        served_s = step_s - draft_s + self._draft_s
+        self._draft_s = draft_s
+        self.observe_draft(draft_s, draft_forwards)
         if self.choice is None:
             return
         # A draft model's first step on after steps off carries its catch-up: a cost of switching, not of the mode.
@@ -145,11 +150,10 @@ class Speculator:
         self._last_choice = self.choice[1]
         if steady and all(c.sample and len(c.token_ids) == 1 + len(c.draft) for c in out.chunks):
             expected = sum(self._expected_tokens(c.request_id, len(c.draft)) for c in out.chunks)
-            self.switch.observe(self.choice[0], self.choice[1], expected, step_s)
+            self.switch.observe(self.choice[0], self.choice[1], expected, served_s)
 
     def observe_draft(self, seconds: float, forwards: int) -> None:
-        """A draft model ran `forwards` forwards in `seconds` (what its next proposals will cost, per token)."""
-        self._draft_s = seconds
+        """A draft model ran `forwards` forwards in `seconds`: what a proposal costs, for the choice of k."""
         if forwards > 0:
             per = seconds / forwards
             self._forward_s = per if self._forward_s is None else 0.9 * self._forward_s + 0.1 * per

@@ -77,7 +77,6 @@ class LLMEngine:
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
         assert config.max_num_batched_tokens is not None  # set by resolve()
         self.speculator = self._speculator()
-        self._draft_s = 0.0  # the draft model's part of the last step, which served this one
         self.spec_log = SpecLog()
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens,
                                    config.enable_chunked_prefill, self.speculator)
@@ -253,12 +252,9 @@ class LLMEngine:
         delivered = sum(r.num_new_tokens for r in advanced)
         self.counters.generation_tokens += delivered
         if self.speculator is not None:
-            # A draft model's work in this step (its proposals) serves the next step: it counts there.
-            draft_s = self.executor.runner.draft_s
-            self.speculator.observe_step(plan, delivered, execute_s - draft_s,
-                                         time.perf_counter() - step_start - draft_s + self._draft_s)
-            self.speculator.observe_draft(draft_s, self.executor.runner.draft_forwards)
-            self._draft_s = draft_s
+            runner = self.executor.runner
+            self.speculator.observe_step(plan, delivered, execute_s, time.perf_counter() - step_start, runner.draft_s,
+                                         runner.draft_forwards)
         out = []
         for req in advanced:
             t = self._tracked[req.request_id]
