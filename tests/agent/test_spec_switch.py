@@ -2,7 +2,17 @@
 
 from __future__ import annotations
 
-from kvfleet_agent.core.spec_switch import EXPLORE_EVERY, EXPLORE_RUN, MIN_SAMPLES, SpecSwitch, bucket
+import pytest
+
+from kvfleet_agent.core.spec_switch import (
+    EXPLORE_EVERY,
+    EXPLORE_EVERY_FAR,
+    EXPLORE_RUN,
+    MARGIN,
+    MIN_SAMPLES,
+    SpecSwitch,
+    bucket,
+)
 
 
 def drive(switch: SpecSwitch, batch: int, rate_on: float, rate_off: float, steps: int) -> list[bool]:
@@ -15,17 +25,27 @@ def drive(switch: SpecSwitch, batch: int, rate_on: float, rate_off: float, steps
     return chosen
 
 
-def test_it_learns_both_modes_then_keeps_the_faster_exploring_rarely() -> None:
+@pytest.mark.parametrize(("rate_on", "every"), [(500.0, EXPLORE_EVERY_FAR), (900.0, EXPLORE_EVERY)])
+def test_it_learns_both_modes_then_keeps_the_faster_exploring_rarely(rate_on: float, every: int) -> None:
     switch = SpecSwitch()
-    chosen = drive(switch, 64, rate_on=500.0, rate_off=1000.0, steps=2 * MIN_SAMPLES + 320)
+    chosen = drive(switch, 64, rate_on=rate_on, rate_off=1000.0, steps=2 * MIN_SAMPLES + 3 * EXPLORE_EVERY_FAR)
     assert chosen[:MIN_SAMPLES] == [True] * MIN_SAMPLES and chosen[MIN_SAMPLES:2 * MIN_SAMPLES] == [False] * MIN_SAMPLES
     tail = chosen[2 * MIN_SAMPLES:]
     runs = [i for i in range(1, len(tail)) if tail[i] and not tail[i - 1]]
-    assert sum(tail) == len(runs) * EXPLORE_RUN and len(runs) >= len(tail) // EXPLORE_EVERY  # only to explore, in runs
+    assert sum(tail) == len(runs) * EXPLORE_RUN  # only to explore, in runs
+    # A mode far behind (under FAR of the other) is explored every EXPLORE_EVERY_FAR steps, a close one more often.
+    assert len(tail) // every <= len(runs) <= len(tail) // every + 1
     assert all(tail[i:i + EXPLORE_RUN] == [True] * EXPLORE_RUN for i in runs)
-    # The loss bound: throughput over the tail within EXPLORE_RUN/EXPLORE_EVERY of the better mode's.
-    seconds = sum(100 / (500.0 if on else 1000.0) for on in tail)
-    assert len(tail) * 100 / seconds >= 1000.0 * (1 - EXPLORE_RUN / EXPLORE_EVERY) * 0.97
+    # The loss bound: throughput over the tail within EXPLORE_RUN/every of the better mode's loss.
+    seconds = sum(100 / (rate_on if on else 1000.0) for on in tail)
+    assert len(tail) * 100 / seconds >= 1000.0 * (1 - EXPLORE_RUN / every * (1 - rate_on / 1000.0)) * 0.99
+
+
+@pytest.mark.parametrize(("rate_on", "kept"), [(1000.0 * (1 + MARGIN / 2), False), (1000.0 * (1 + 2 * MARGIN), True)])
+def test_speculation_must_win_by_the_margin(rate_on: float, kept: bool) -> None:
+    chosen = drive(SpecSwitch(), 4, rate_on=rate_on, rate_off=1000.0, steps=2 * MIN_SAMPLES + 200)
+    tail = chosen[2 * MIN_SAMPLES:]
+    assert (sum(tail) > 0.9 * len(tail)) is kept and (sum(tail) < 0.1 * len(tail)) is not kept
 
 
 def test_speculation_is_kept_where_it_pays_and_buckets_are_separate() -> None:

@@ -7,7 +7,13 @@ no model: per batch-size bucket (powers of two) it keeps the exponentially weigh
 that speculated and of those that did not, takes the better mode, and tries the other for EXPLORE_RUN steps in
 EXPLORE_EVERY so that a change (acceptance, batch mix) is seen. Runs, not single steps: a draft model that was off
 must first catch up, so the first step of a run is a transition its caller may leave unmeasured, and the rest show
-the mode's steady rate. Exploring costs at most EXPLORE_RUN/EXPLORE_EVERY of the loss between the two modes.
+the mode's steady rate. Exploring costs at most EXPLORE_RUN/EXPLORE_EVERY of the loss between the two modes; where
+one mode is far behind (below FAR of the other's rate) a change large enough to reverse the order is unlikely and
+each exploring step costs more, so it explores every EXPLORE_EVERY_FAR steps instead.
+
+Speculation must win by MARGIN to be kept: a step's tokens per second do not see all it costs. Requests that
+speculate finish at different times, so a batch runs its tail smaller; a verification's ITL varies more; rejected
+drafts take KV slots. Where the two modes are within the margin, not speculating is the cheaper bet.
 """
 
 from __future__ import annotations
@@ -15,23 +21,31 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 EXPLORE_EVERY = 64
+EXPLORE_EVERY_FAR = 256
 EXPLORE_RUN = 3
+FAR = 0.75  # the worse mode's share of the better's rate below which it is explored EXPLORE_EVERY_FAR
+MARGIN = 0.05  # speculating must deliver this much more than not to be chosen
 MIN_SAMPLES = 16  # steps of each mode in a bucket before the comparison is trusted (a verification yields 0..k)
-DECAY = 0.9  # per observation: recent steps count most
+# Per step of the bucket, whichever mode ran it: a mode's rate forgets with age, not with its own observations, so
+# an exploring run is judged by what it measures now rather than by the same mode's steps from runs ago.
+DECAY = 0.95
 
 
 @dataclass
 class _Rate:
-    """An exponentially weighted tokens/s and how many steps it has seen."""
+    """An exponentially weighted tokens/s, how many steps it has seen and the bucket's step of the last."""
 
     tokens: float = 0.0
     seconds: float = 0.0
     n: int = 0
+    last: int = 0
 
-    def add(self, tokens: float, seconds: float) -> None:
-        self.tokens = DECAY * self.tokens + tokens
-        self.seconds = DECAY * self.seconds + seconds
+    def add(self, tokens: float, seconds: float, step: int) -> None:
+        keep = DECAY ** max(0, step - self.last)
+        self.tokens = keep * self.tokens + tokens
+        self.seconds = keep * self.seconds + seconds
         self.n += 1
+        self.last = step
 
     @property
     def rate(self) -> float:
@@ -59,13 +73,16 @@ class SpecSwitch:
             return True  # learn what speculating does here first: it is what the operator asked for
         if off.n < MIN_SAMPLES:
             return False
-        best = on.rate >= off.rate
-        return not best if count % EXPLORE_EVERY < EXPLORE_RUN else best
+        best = on.rate > off.rate * (1 + MARGIN)
+        worse, better = sorted((on.rate, off.rate))
+        every = EXPLORE_EVERY_FAR if worse < FAR * better else EXPLORE_EVERY
+        return not best if count % every < EXPLORE_RUN else best
 
     def observe(self, batch: int, speculated: bool, tokens: float, seconds: float) -> None:
         """A pure-decode step of `batch` requests delivered `tokens` tokens in `seconds`."""
         if tokens > 0 and seconds > 0:
-            self.rates.setdefault((bucket(batch), speculated), _Rate()).add(tokens, seconds)
+            b = bucket(batch)
+            self.rates.setdefault((b, speculated), _Rate()).add(tokens, seconds, self.decisions.get(b, 0))
 
     def summary(self) -> dict[str, float]:
         """Each bucket's measured tokens/s with and without speculation, for logs."""
