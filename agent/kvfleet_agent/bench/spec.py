@@ -26,12 +26,14 @@ MAX_TOKENS = {"edit": 64, "code": 64, "long": 384}
 
 @dataclass(frozen=True)
 class Cell:
-    """One workload x batch x configuration, over the rounds: medians of decode tokens/s and ITL percentiles."""
+    """One workload x batch x configuration, over the rounds: medians of decode tokens/s and ITL percentiles, and
+    the median over rounds of its tokens/s as a ratio to `off` in the same round (None without `off`)."""
 
     workload: str
     batch: int
     config: str
     decode_tps: float
+    vs_off: float | None
     itl_p50_ms: float
     itl_p99_ms: float
     mean_accepted_length: float | None
@@ -132,7 +134,7 @@ def run(a: argparse.Namespace) -> list[Cell]:
         model, draft = model or f"{where}/target", draft or f"{where}/draft"
     engines = {c: LLM(model=model, speculative_config=spec_config(c, draft, a.k), max_num_seqs=max(a.batch),
                       max_model_len=1024, num_threads=a.num_threads) for c in a.configs}
-    samples: dict[tuple[str, int, str], list[tuple[float, list[float], int, int]]] = {}
+    samples: dict[tuple[str, int, str], list[Sample]] = {}
     tokens: dict[tuple[str, int], set[int]] = {}
     cells = [(w, b) for w in a.workloads for b in a.batch]
     bar = tqdm(total=a.rounds * len(cells) * len(engines), desc="bench spec", unit="cell")
@@ -147,11 +149,23 @@ def run(a: argparse.Namespace) -> list[Cell]:
     bar.close()
     # Greedy: every configuration must have generated the very same number of tokens in each cell.
     assert all(len(n) == 1 for n in tokens.values()), tokens
+    return summarize(samples)
+
+
+Sample = tuple[float, list[float], int, int]  # one round of a cell: decode tokens/s, ITLs, verifications, accepted
+
+
+def summarize(samples: dict[tuple[str, int, str], list[Sample]]) -> list[Cell]:
+    """Each (workload, batch, configuration)'s rounds as a Cell."""
     out = []
     for (w, b, c), runs in samples.items():
         itl_all = sorted(x for run in runs for x in run[1])
         drafts, accepted = sum(r[2] for r in runs), sum(r[3] for r in runs)
-        out.append(Cell(w, b, c, statistics.median(r[0] for r in runs), 1000 * _pct(itl_all, 0.5),
+        # Paired by round: the machine's speed drifts between rounds far more than between the configurations of
+        # one round, which run back to back on the same prompts.
+        off = samples.get((w, b, "off"))
+        vs_off = statistics.median(r[0] / o[0] for r, o in zip(runs, off, strict=True)) if off else None
+        out.append(Cell(w, b, c, statistics.median(r[0] for r in runs), vs_off, 1000 * _pct(itl_all, 0.5),
                         1000 * _pct(itl_all, 0.99), 1 + accepted / drafts if drafts else None))
     return out
 
@@ -161,12 +175,12 @@ def _pct(xs: Sequence[float], q: float) -> float:
 
 
 def table(cells: list[Cell]) -> str:
-    """The cells as a table, with each configuration's decode tokens/s as a ratio to `off` in the same cell."""
-    base = {(c.workload, c.batch): c.decode_tps for c in cells if c.config == "off"}
+    """The cells as a table, with each configuration's decode tokens/s as a ratio to `off` in the same cell (the
+    median of the rounds' paired ratios)."""
     lines = [f"{'workload':8} {'batch':>5} {'config':12} {'decode tok/s':>12} {'vs off':>7} {'ITL p50 ms':>10} "
              f"{'ITL p99 ms':>10} {'acc. len':>8}"]
     for c in sorted(cells, key=lambda c: (WORKLOADS.index(c.workload), c.batch, c.config)):
-        ratio = c.decode_tps / base[c.workload, c.batch] if (c.workload, c.batch) in base else float("nan")
+        ratio = c.vs_off if c.vs_off is not None else float("nan")
         acc = f"{c.mean_accepted_length:.2f}" if c.mean_accepted_length else "-"
         lines.append(f"{c.workload:8} {c.batch:5d} {c.config:12} {c.decode_tps:12.1f} {ratio:6.2f}x "
                      f"{c.itl_p50_ms:10.2f} {c.itl_p99_ms:10.2f} {acc:>8}")
