@@ -4,14 +4,18 @@ from __future__ import annotations
 
 import pytest
 
-from kvfleet_agent.bench.spec import summarize, table
+from kvfleet_agent.bench.spec import Run, repeats, summarize, table
+
+
+def run(tps: float, drafts: int = 0, accepted: int = 0) -> Run:
+    return Run(decoded=int(tps), seconds=1.0, itl=[1 / tps], tokens=64, drafts=drafts, accepted=accepted)
 
 
 def test_the_ratio_to_off_pairs_rounds_so_drift_between_rounds_cancels() -> None:
     # The machine ran round 2 at 1.5x round 1's speed and round 3 twice as fast: a ratio of medians reads 0.75x,
     # while the configuration was 0.95x of `off` in two rounds of three.
-    samples = {("edit", 4, "off"): [(100.0, [0.01], 0, 0), (300.0, [0.01], 0, 0), (200.0, [0.01], 0, 0)],
-               ("edit", 4, "ngram"): [(95.0, [0.02], 10, 20), (150.0, [0.02], 10, 0), (190.0, [0.02], 10, 10)]}
+    samples = {("edit", 4, "off"): [run(100), run(300), run(200)],
+               ("edit", 4, "ngram"): [run(95, 10, 20), run(150, 10, 0), run(190, 10, 10)]}
     cells = {c.config: c for c in summarize(samples)}
     assert cells["ngram"].decode_tps == 150.0 and cells["ngram"].vs_off == pytest.approx(0.95)
     assert cells["off"].vs_off == 1.0 and cells["off"].mean_accepted_length is None
@@ -20,5 +24,13 @@ def test_the_ratio_to_off_pairs_rounds_so_drift_between_rounds_cancels() -> None
 
 
 def test_without_off_there_is_no_ratio() -> None:
-    cells = summarize({("code", 1, "draft"): [(50.0, [0.02], 4, 2)]})
+    cells = summarize({("code", 1, "draft"): [run(50, 4, 2)]})
     assert cells[0].vs_off is None and "nan" in table(cells)
+
+
+def test_batches_of_a_round_pool_their_tokens_and_seconds() -> None:
+    pooled = Run()
+    pooled.add(Run(decoded=60, seconds=0.5, itl=[0.01], tokens=64, drafts=3, accepted=6))
+    pooled.add(Run(decoded=20, seconds=0.5, itl=[0.02], tokens=64))
+    assert pooled.tps == 80.0 and pooled.itl == [0.01, 0.02] and (pooled.tokens, pooled.drafts) == (128, 3)
+    assert [repeats(b) for b in (1, 4, 16, 64)] == [8, 2, 1, 1]

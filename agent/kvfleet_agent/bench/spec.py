@@ -11,7 +11,7 @@ import statistics
 import tempfile
 import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from tqdm import tqdm
@@ -48,7 +48,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--configs", nargs="+", default=["off", "ngram", "draft"],
                    help="off, ngram, draft (adaptive, the default) and ngram-fixed, draft-fixed (adaptive off)")
     p.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
-    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--warmup-rounds", type=int, default=1,
+                   help="rounds run first and not counted: the engines warm up and the adaptive switch learns each "
+                        "batch size once, as a long-lived server does once")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--num-threads", type=int, default=None)
     p.add_argument("--json", help="write every cell here")
@@ -84,11 +87,38 @@ def spec_config(name: str, draft: str, k: int) -> dict[str, Any] | None:
     return {**base, "method": "draft_model", "model": draft}
 
 
-def measure(llm: LLM, batch: list[str], max_tokens: int) -> tuple[float, list[float], int, tuple[int, int]]:
-    """Run one batch to the end through engine steps. Returns decode tokens/s (tokens delivered once every request
-    has its first, over the time from then to the end), every token's ITL (a step's gap spread over the tokens it
-    delivered: 3 tokens in 30 ms count 10 ms each), the tokens generated (equal across configurations: greedy),
-    and the verifications and accepted drafts of the batch."""
+@dataclass
+class Run:
+    """What one or more batches of a cell delivered in a round: decode tokens and their seconds (from the step where
+    every request of a batch has its first token to its last step), every token's ITL, the tokens generated (equal
+    across configurations: greedy), and the verifications and accepted drafts."""
+
+    decoded: int = 0
+    seconds: float = 0.0
+    itl: list[float] = field(default_factory=list)
+    tokens: int = 0
+    drafts: int = 0
+    accepted: int = 0
+
+    @property
+    def tps(self) -> float:
+        """Decode tokens per second."""
+        return self.decoded / max(self.seconds, 1e-9)
+
+    def add(self, other: Run) -> None:
+        """Pool another batch's run into this one."""
+        self.decoded += other.decoded
+        self.seconds += other.seconds
+        self.itl += other.itl
+        self.tokens += other.tokens
+        self.drafts += other.drafts
+        self.accepted += other.accepted
+
+
+def measure(llm: LLM, batch: list[str], max_tokens: int) -> Run:
+    """Run one batch to the end through engine steps. Decode tokens are those delivered once every request has its
+    first; a token's ITL is its step's gap spread over the tokens the step delivered (3 tokens in 30 ms count 10 ms
+    each)."""
     engine = llm.engine
     before = engine.stats().spec
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
@@ -97,9 +127,9 @@ def measure(llm: LLM, batch: list[str], max_tokens: int) -> tuple[float, list[fl
         engine.add_request(rid, prompt, params)
     last: dict[str, float] = {}
     counts: dict[str, int] = {}
-    itl: list[float] = []
+    out_run = Run()
     first_all: float | None = None
-    after, end = 0, 0.0
+    end = 0.0
     while engine.has_unfinished():
         outs = engine.step()
         now = time.perf_counter()
@@ -108,18 +138,27 @@ def measure(llm: LLM, batch: list[str], max_tokens: int) -> tuple[float, list[fl
             if n <= 0:
                 continue
             if out.request_id in last:
-                itl += [(now - last[out.request_id]) / n] * n
+                out_run.itl += [(now - last[out.request_id]) / n] * n
             if first_all is not None:
-                after += n
+                out_run.decoded += n
             counts[out.request_id] = len(out.outputs[0].token_ids)
             last[out.request_id] = now
         if first_all is None and len(last) == len(ids):
             first_all = now
         end = now
     spec = engine.stats().spec
-    verified = (spec.num_drafts - before.num_drafts, spec.num_accepted_tokens - before.num_accepted_tokens) \
-        if spec is not None and before is not None else (0, 0)
-    return after / max(end - (first_all or end), 1e-9), itl, sum(counts.values()), verified
+    if spec is not None and before is not None:
+        out_run.drafts = spec.num_drafts - before.num_drafts
+        out_run.accepted = spec.num_accepted_tokens - before.num_accepted_tokens
+    out_run.seconds = end - (first_all or end)
+    out_run.tokens = sum(counts.values())
+    return out_run
+
+
+def repeats(batch: int) -> int:
+    """Batches per cell and round: small batches run several, one after another, so that every cell measures about
+    as many tokens (a single 64-token request is a few dozen steps, too short to rise above the machine's noise)."""
+    return max(1, 8 // batch)
 
 
 def run(a: argparse.Namespace) -> list[Cell]:
@@ -134,17 +173,20 @@ def run(a: argparse.Namespace) -> list[Cell]:
         model, draft = model or f"{where}/target", draft or f"{where}/draft"
     engines = {c: LLM(model=model, speculative_config=spec_config(c, draft, a.k), max_num_seqs=max(a.batch),
                       max_model_len=1024, num_threads=a.num_threads) for c in a.configs}
-    samples: dict[tuple[str, int, str], list[Sample]] = {}
+    samples: dict[tuple[str, int, str], list[Run]] = {}
     tokens: dict[tuple[str, int], set[int]] = {}
     cells = [(w, b) for w in a.workloads for b in a.batch]
-    bar = tqdm(total=a.rounds * len(cells) * len(engines), desc="bench spec", unit="cell")
-    for r in range(a.rounds):
+    bar = tqdm(total=(a.warmup_rounds + a.rounds) * len(cells) * len(engines), desc="bench spec", unit="cell")
+    for r in range(-a.warmup_rounds, a.rounds):
         for w, b in cells:
-            batch = prompts(w, b, a.seed + r)
+            ps = prompts(w, b * repeats(b), a.seed + r)
             for c, llm in engines.items():
-                tps, itl, n, (drafts, accepted) = measure(llm, batch, MAX_TOKENS[w])
-                samples.setdefault((w, b, c), []).append((tps, itl, drafts, accepted))
-                tokens.setdefault((w, b), set()).add(n)
+                pooled = Run()
+                for i in range(0, len(ps), b):
+                    pooled.add(measure(llm, ps[i:i + b], MAX_TOKENS[w]))
+                if r >= 0:
+                    samples.setdefault((w, b, c), []).append(pooled)
+                    tokens.setdefault((w, b), set()).add(pooled.tokens)
                 bar.update()
     bar.close()
     # Greedy: every configuration must have generated the very same number of tokens in each cell.
@@ -152,20 +194,17 @@ def run(a: argparse.Namespace) -> list[Cell]:
     return summarize(samples)
 
 
-Sample = tuple[float, list[float], int, int]  # one round of a cell: decode tokens/s, ITLs, verifications, accepted
-
-
-def summarize(samples: dict[tuple[str, int, str], list[Sample]]) -> list[Cell]:
+def summarize(samples: dict[tuple[str, int, str], list[Run]]) -> list[Cell]:
     """Each (workload, batch, configuration)'s rounds as a Cell."""
     out = []
     for (w, b, c), runs in samples.items():
-        itl_all = sorted(x for run in runs for x in run[1])
-        drafts, accepted = sum(r[2] for r in runs), sum(r[3] for r in runs)
+        itl_all = sorted(x for run in runs for x in run.itl)
+        drafts, accepted = sum(r.drafts for r in runs), sum(r.accepted for r in runs)
         # Paired by round: the machine's speed drifts between rounds far more than between the configurations of
         # one round, which run back to back on the same prompts.
         off = samples.get((w, b, "off"))
-        vs_off = statistics.median(r[0] / o[0] for r, o in zip(runs, off, strict=True)) if off else None
-        out.append(Cell(w, b, c, statistics.median(r[0] for r in runs), vs_off, 1000 * _pct(itl_all, 0.5),
+        vs_off = statistics.median(r.tps / o.tps for r, o in zip(runs, off, strict=True)) if off else None
+        out.append(Cell(w, b, c, statistics.median(r.tps for r in runs), vs_off, 1000 * _pct(itl_all, 0.5),
                         1000 * _pct(itl_all, 0.99), 1 + accepted / drafts if drafts else None))
     return out
 
@@ -190,7 +229,8 @@ def table(cells: list[Cell]) -> str:
 def main(a: argparse.Namespace) -> int:
     """Run, print the table, write the JSON."""
     cells = run(a)
-    print(f"{platform.processor() or platform.machine()}, rounds {a.rounds}, k {a.k}; decode tokens/s medians")
+    print(f"{platform.processor() or platform.machine()}, rounds {a.rounds} after {a.warmup_rounds} not counted, "
+          f"k {a.k}; decode tokens/s medians, 'vs off' the median of per-round ratios")
     print(table(cells))
     if a.json:
         with open(a.json, "w") as f:

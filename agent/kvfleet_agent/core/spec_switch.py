@@ -25,7 +25,7 @@ EXPLORE_EVERY_FAR = 256
 EXPLORE_RUN = 3
 FAR = 0.75  # the worse mode's share of the better's rate below which it is explored EXPLORE_EVERY_FAR
 MARGIN = 0.05  # speculating must deliver this much more than not to be chosen
-MIN_SAMPLES = 16  # steps of each mode in a bucket before the comparison is trusted (a verification yields 0..k)
+MIN_SAMPLES = 8  # steps of each mode in a bucket before the comparison is trusted (a verification yields 0..k)
 # Per step of the bucket, whichever mode ran it: a mode's rate forgets with age, not with its own observations, so
 # an exploring run is judged by what it measures now rather than by the same mode's steps from runs ago.
 DECAY = 0.95
