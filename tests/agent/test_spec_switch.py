@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 
 from kvfleet_agent.core.spec_switch import (
+    EXPLORE_BUDGET,
     EXPLORE_EVERY,
     EXPLORE_EVERY_FAR,
     EXPLORE_RUN,
@@ -62,3 +65,22 @@ def test_a_change_in_what_pays_is_followed() -> None:
     drive(switch, 8, rate_on=400.0, rate_off=900.0, steps=300)  # off wins
     after = drive(switch, 8, rate_on=2000.0, rate_off=900.0, steps=400)  # acceptance rose: on wins now
     assert sum(after[-100:]) > 90
+
+
+def test_a_costly_transition_into_speculation_spaces_the_exploring_runs() -> None:
+    """A draft model's catch-up after steps off can take many steps' time: runs into speculation come no more often
+    than keeps transitions within EXPLORE_BUDGET of the time."""
+    switch = SpecSwitch()
+    step_off = 100 / 1000.0
+    chosen = []
+    for _ in range(2 * MIN_SAMPLES + 4000):
+        on = switch.choose(64)
+        if on and chosen and not chosen[-1]:
+            switch.observe_transition(64, 40 * step_off)  # the catch-up: 40 steps' time
+        else:
+            switch.observe(64, on, 100, 100 / (500.0 if on else 1000.0))
+        chosen.append(on)
+    tail = chosen[2 * MIN_SAMPLES:]
+    runs = [i for i in range(1, len(tail)) if tail[i] and not tail[i - 1]]
+    gap = 40 / EXPLORE_BUDGET
+    assert 1 <= len(runs) <= len(tail) / gap + 1 and all(b - a >= gap for a, b in itertools.pairwise(runs))

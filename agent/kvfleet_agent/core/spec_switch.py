@@ -9,7 +9,10 @@ EXPLORE_EVERY so that a change (acceptance, batch mix) is seen. Runs, not single
 must first catch up, so the first step of a run is a transition its caller may leave unmeasured, and the rest show
 the mode's steady rate. Exploring costs at most EXPLORE_RUN/EXPLORE_EVERY of the loss between the two modes; where
 one mode is far behind (below FAR of the other's rate) a change large enough to reverse the order is unlikely and
-each exploring step costs more, so it explores every EXPLORE_EVERY_FAR steps instead.
+each exploring step costs more, so it explores every EXPLORE_EVERY_FAR steps instead. A draft model's transition
+(its catch-up over every token it skipped while off) can cost many steps' time at large batch: the caller reports
+it (observe_transition), and runs into speculation are spaced so that transitions take at most EXPLORE_BUDGET of
+the time.
 
 Speculation must win by MARGIN to be kept: a step's tokens per second do not see all it costs. Requests that
 speculate finish at different times, so a batch runs its tail smaller; a verification's ITL varies more; rejected
@@ -18,6 +21,7 @@ drafts take KV slots. Where the two modes are within the margin, not speculating
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 EXPLORE_EVERY = 64
@@ -25,6 +29,7 @@ EXPLORE_EVERY_FAR = 256
 EXPLORE_RUN = 3
 FAR = 0.75  # the worse mode's share of the better's rate below which it is explored EXPLORE_EVERY_FAR
 MARGIN = 0.05  # speculating must deliver this much more than not to be chosen
+EXPLORE_BUDGET = 0.03  # the share of the time that transitions into speculation may take while it is off
 MIN_SAMPLES = 8  # steps of each mode in a bucket before the comparison is trusted (a verification yields 0..k)
 # Per step of the bucket, whichever mode ran it: a mode's rate forgets with age, not with its own observations, so
 # an exploring run is judged by what it measures now rather than by the same mode's steps from runs ago.
@@ -33,10 +38,12 @@ DECAY = 0.95
 
 @dataclass
 class _Rate:
-    """An exponentially weighted tokens/s, how many steps it has seen and the bucket's step of the last."""
+    """An exponentially weighted tokens/s and step time, how many steps it has seen and the bucket's step of the
+    last."""
 
     tokens: float = 0.0
     seconds: float = 0.0
+    weight: float = 0.0
     n: int = 0
     last: int = 0
 
@@ -44,12 +51,17 @@ class _Rate:
         keep = DECAY ** max(0, step - self.last)
         self.tokens = keep * self.tokens + tokens
         self.seconds = keep * self.seconds + seconds
+        self.weight = keep * self.weight + 1.0
         self.n += 1
         self.last = step
 
     @property
     def rate(self) -> float:
         return self.tokens / self.seconds if self.seconds > 0 else 0.0
+
+    @property
+    def step_s(self) -> float:
+        return self.seconds / self.weight if self.weight > 0 else 0.0
 
 
 def bucket(batch: int) -> int:
@@ -63,6 +75,8 @@ class SpecSwitch:
     def __init__(self) -> None:
         self.rates: dict[tuple[int, bool], _Rate] = {}
         self.decisions: dict[int, int] = {}
+        self.explore_at: dict[int, int] = {}  # the bucket's step where its next exploring run starts
+        self.transition_s: dict[int, float] = {}  # the seconds of a transition into speculation, weighted
 
     def choose(self, batch: int) -> bool:
         """Whether this step should speculate (a step of `batch` decode requests)."""
@@ -76,13 +90,24 @@ class SpecSwitch:
         best = on.rate > off.rate * (1 + MARGIN)
         worse, better = sorted((on.rate, off.rate))
         every = EXPLORE_EVERY_FAR if worse < FAR * better else EXPLORE_EVERY
-        return not best if count % every < EXPLORE_RUN else best
+        if not best and b in self.transition_s and off.step_s > 0:
+            every = max(every, math.ceil(self.transition_s[b] / (EXPLORE_BUDGET * off.step_s)))
+        at = self.explore_at.setdefault(b, every)
+        if count >= at + EXPLORE_RUN:
+            at = self.explore_at[b] = max(at + every, count)
+        return not best if count >= at else best
 
     def observe(self, batch: int, speculated: bool, tokens: float, seconds: float) -> None:
         """A pure-decode step of `batch` requests delivered `tokens` tokens in `seconds`."""
         if tokens > 0 and seconds > 0:
             b = bucket(batch)
             self.rates.setdefault((b, speculated), _Rate()).add(tokens, seconds, self.decisions.get(b, 0))
+
+    def observe_transition(self, batch: int, seconds: float) -> None:
+        """The first step of speculation after steps without took `seconds`, its catch-up included."""
+        b = bucket(batch)
+        old = self.transition_s.get(b)
+        self.transition_s[b] = seconds if old is None else 0.5 * (old + seconds)
 
     def summary(self) -> dict[str, float]:
         """Each bucket's measured tokens/s with and without speculation, for logs."""

@@ -153,6 +153,8 @@ class Speculator:
             return
         # A draft model's first step on after steps off carries its catch-up: a cost of switching, not of the mode.
         steady = self.config.method == "ngram" or self._last_choice == self.choice[1]
+        if not steady and self.choice[1]:
+            self.switch.observe_transition(self.choice[0], served_s)
         self._last_choice = self.choice[1]
         if steady and all(c.sample and len(c.token_ids) == 1 + len(c.draft) for c in out.chunks):
             expected = sum(self._expected_tokens(c.request_id, len(c.draft)) for c in out.chunks)
