@@ -72,7 +72,7 @@ def test_a_costly_transition_into_speculation_spaces_the_exploring_runs() -> Non
     than keeps transitions within EXPLORE_BUDGET of the time."""
     switch = SpecSwitch()
     step_off = 100 / 1000.0
-    chosen = []
+    chosen: list[bool] = []
     for _ in range(2 * MIN_SAMPLES + 4000):
         on = switch.choose(64)
         if on and chosen and not chosen[-1]:
