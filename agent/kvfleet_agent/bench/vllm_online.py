@@ -4,8 +4,9 @@ The two servers run one at a time on the same checkpoint (the shared workload's,
 with its OpenMP threads bound to every core and none reserved, as the shared harness binds it. Each is driven at
 every --rates value by two load generators in turn, vLLM's own `vllm bench serve` (random dataset: fixed prompt and
 output lengths, ignore_eos) and kvfleet's `kvfleet-agent bench serve` (synthetic prompts of about the same length),
-each with the same seed against both servers. It prints TTFT and ITL p50 / p99 per rate and generator, the two
-servers side by side, and their ratio (vLLM's over kvfleet's: above 1 means kvfleet is lower).
+each with the same seed against both servers, after 8 warm-up requests that are not counted. It prints TTFT and ITL
+p50 / p99 per rate and generator, the two servers side by side, and their ratio (vLLM's over kvfleet's: above 1
+means kvfleet is lower).
 """
 
 from __future__ import annotations
@@ -171,6 +172,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"{server}: starting ...", file=sys.stderr, flush=True)
             proc, url = start(server, model_dir, a.vllm_python, workload_py, tmp / f"{server}.log")
             try:
+                # Not counted: a server's first requests pay for lazy start-up work (both servers have some).
+                warm = argparse.Namespace(**{**vars(a), "num_requests": 8})
+                drive("kvfleet bench", url, model_dir, a.rates[-1], warm, a.vllm_python, workload_py, tmp)
                 for rate in a.rates:
                     for gen in GENERATORS:
                         print(f"{server}: {gen} at {rate:g} req/s ...", file=sys.stderr, flush=True)
