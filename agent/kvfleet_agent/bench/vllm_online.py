@@ -85,8 +85,8 @@ def start(server: str, model_dir: str, vllm_python: str, workload_py: Path, log:
         cmd = [vllm_python, str(workload_py.parent / "vllm_cli.py"), "serve", model_dir, "--port", str(port),
                "--host", "127.0.0.1", "--dtype", "float32", "--served-model-name", model_dir]
         env = vllm_env(workload_py, vllm_python)
-    out = log.open("w")
-    proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True)
+    with log.open("w") as out:  # the server holds its own copy of the file
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
     wait_ready(proc, url, f"{server} ({' '.join(cmd)}; log {log})")
     return proc, url
@@ -104,19 +104,19 @@ def stop(proc: subprocess.Popen[str]) -> None:
         pass
 
 
-def drive(generator: str, url: str, model_dir: str, rate: float, a: argparse.Namespace, vllm_python: str,
-          workload_py: Path, tmp: Path) -> dict[str, float]:
+def drive(generator: str, url: str, model_dir: str, rate: float, a: argparse.Namespace, workload_py: Path,
+          tmp: Path) -> dict[str, float]:
     """One load at `rate` requests/s from `generator`; TTFT and ITL percentiles (ms), output tokens/s, completed."""
     out = tmp / f"{generator.split()[0]}-{rate}.json"
     out.unlink(missing_ok=True)
     if generator == "vllm bench":
-        cmd = [vllm_python, str(workload_py.parent / "vllm_cli.py"), "bench", "serve", "--backend", "openai",
+        cmd = [a.vllm_python, str(workload_py.parent / "vllm_cli.py"), "bench", "serve", "--backend", "openai",
                "--base-url", url, "--model", model_dir, "--tokenizer", model_dir, "--dataset-name", "random",
                "--random-input-len", str(a.input_len), "--random-output-len", str(a.output_len), "--ignore-eos",
                "--num-prompts", str(a.num_requests), "--request-rate", str(rate), "--seed", str(a.seed),
                "--percentile-metrics", "ttft,itl", "--metric-percentiles", "50,99", "--disable-tqdm",
                "--save-result", "--result-dir", str(tmp), "--result-filename", out.name]
-        env = vllm_env(workload_py, vllm_python)
+        env = vllm_env(workload_py, a.vllm_python)
     else:
         cmd = [sys.executable, "-m", "kvfleet_agent.cli", "--log-level", "WARNING", "bench", "serve", "--url", url,
                "--request-rate", str(rate), "--num-requests", str(a.num_requests), "--prompt-len", str(a.input_len),
@@ -174,11 +174,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             try:
                 # Not counted: a server's first requests pay for lazy start-up work (both servers have some).
                 warm = argparse.Namespace(**{**vars(a), "num_requests": 8})
-                drive("kvfleet bench", url, model_dir, a.rates[-1], warm, a.vllm_python, workload_py, tmp)
+                drive("kvfleet bench", url, model_dir, a.rates[-1], warm, workload_py, tmp)
                 for rate in a.rates:
                     for gen in GENERATORS:
                         print(f"{server}: {gen} at {rate:g} req/s ...", file=sys.stderr, flush=True)
-                        fig = drive(gen, url, model_dir, rate, a, a.vllm_python, workload_py, tmp)
+                        fig = drive(gen, url, model_dir, rate, a, workload_py, tmp)
                         results.setdefault(server, {})[f"{gen}@{rate}"] = fig
             finally:
                 stop(proc)

@@ -74,14 +74,12 @@ class Speculator:
         """Drafts for this step's decode requests (only those that get any), within `budget` extra tokens."""
         proposals: dict[str, list[int]] = {}
         candidates = [req for req in decodes if eligible(req)]
-        ngram_off = False
+        on = True
         if self.config.method == "ngram" and self.config.adaptive and candidates:
             # Decided before guessing: while the switch keeps speculation off, the lookups (a Python scan per request
             # per step) are skipped; its exploring runs measure acceptance afresh.
-            ngram_off = not self.switch.choose(len(decodes))
-            if ngram_off:
-                candidates = []
-        for req in candidates:
+            on = self.switch.choose(len(decodes))
+        for req in candidates if on else []:
             room = min(self.config.num_speculative_tokens, req.sampling_params.max_tokens - req.num_output_tokens - 1,
                        req.max_model_len - req.num_tokens - 1)
             guess = self._guess(req, room) if room > 0 else []
@@ -96,8 +94,8 @@ class Speculator:
                 self.choice = (n, self.draft_k != 0)
             runs = (limit is None or n < limit) and (not self.config.adaptive or self.switch.choose(n))
             self.draft_k = (self._best_k(n) if self.config.adaptive else -1) if runs else 0
-        elif self.config.adaptive and (proposals or ngram_off):
-            self.choice = (len(decodes), not ngram_off)
+        elif self.config.adaptive and (proposals or not on):
+            self.choice = (len(decodes), on)
         plan = self.policy.plan([(rid, len(d)) for rid, d in proposals.items()], num_other_tokens,
                                 num_decodes=len(decodes)) if self.choice is None or self.choice[1] else {}
         drafts: dict[str, list[int]] = {}
