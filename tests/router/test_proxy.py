@@ -27,6 +27,9 @@ from router_helpers import (  # noqa: F401 (fixtures, found by name)
 )
 from server_process import AgentProcess, start_agent
 
+from kvfleet_router.picker import Ring
+from kvfleet_router.prefix import prefix_key
+
 
 def test_a_request_through_the_router_equals_a_direct_call(router: RouterProcess, agents: list[AgentProcess]) -> None:
     via = OpenAI(base_url=f"{router.url}/v1", api_key="unused")
@@ -128,11 +131,18 @@ def test_refusals_are_retried_on_another_replica(tiny_checkpoint: Callable[..., 
         alone = start_router(f"{MODEL}={refuser.url}")
         try:
             wait_for(lambda: '"ready_replicas": 2' in OpenAIless.get(f"{both.url}/v1/models"))
-            for i in range(8):
+            # Prompts whose affinity owner is the refuser, found with the router's own ring (names are host:port),
+            # so the retries are certain rather than left to where the random ports happen to hash.
+            names = [refuser.url.split("//")[1], agents[1].url.split("//")[1]]
+            ring = Ring(sorted(names))
+            prompts = [p for p in (f"retry {i}" for i in range(200))
+                       if ring.walk(prefix_key({"model": MODEL, "prompt": p}) or "")[0] == names[0]][:4]
+            assert len(prompts) == 4
+            for prompt in [*prompts, "another", "and more"]:
                 status, headers, _ = OpenAIless.post(f"{both.url}/v1/completions", json.dumps(
-                    {"model": MODEL, "prompt": f"retry {i}", "max_tokens": 2}).encode())
-                assert status == 200 and agents[1].url.split("//")[1] in headers["x-kvfleet-route"]
-            assert sum(counters(both.url, "kvfleet_router_retries").values()) >= 1
+                    {"model": MODEL, "prompt": prompt, "max_tokens": 2}).encode())
+                assert status == 200 and names[1] in headers["x-kvfleet-route"]
+            assert sum(counters(both.url, "kvfleet_router_retries").values()) >= len(prompts)
             wait_for(lambda: '"ready_replicas": 1' in OpenAIless.get(f"{alone.url}/v1/models"))
             status, headers, text = OpenAIless.post(f"{alone.url}/v1/completions",
                                                     b'{"model": "tiny", "prompt": "x", "max_tokens": 2}')
