@@ -9,7 +9,9 @@ from typing import Any
 import pytest
 
 from kvfleet_agent.engine.async_llm import AsyncLLM, EngineDeadError
+from kvfleet_agent.engine.llm_engine import LLMEngine
 from kvfleet_agent.llm import LLM
+from kvfleet_agent.outputs import RequestOutput
 from kvfleet_agent.sampling_params import SamplingParams
 
 OPTIONS: dict[str, Any] = {"max_num_seqs": 8, "kv_cache_memory_bytes": 4 << 20}
@@ -91,3 +93,45 @@ def test_interrupted_offline_generate_leaves_the_engine_ready_for_the_next_call(
     outs = llm.generate([{"prompt_token_ids": [1, 99]}], SamplingParams(max_tokens=3, temperature=0),
                         use_tqdm=False)
     assert len(outs[0].outputs[0].token_ids) == 3
+
+
+def test_the_engine_is_built_and_stepped_on_its_own_thread(ckpt: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The server builds AsyncLLM in an executor thread that lives on; had the model been loaded there, that thread's
+    OpenMP team would double the process's OpenMP threads and make the engine thread's team sleep between regions."""
+    import concurrent.futures
+    import threading
+
+    from kvfleet_agent.engine import async_llm
+
+    seen: set[str] = set()
+
+    class Recording(LLMEngine):
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            seen.add(f"built on {threading.current_thread().name}")
+            super().__init__(*args, **kwargs)
+
+        def step(self, finished_only: bool = False) -> list[RequestOutput]:
+            seen.add(f"stepped on {threading.current_thread().name}")
+            return super().step(finished_only)
+
+    monkeypatch.setattr(async_llm, "LLMEngine", Recording)
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        llm = pool.submit(AsyncLLM.from_options, str(ckpt), **OPTIONS).result()
+    try:
+        async def one() -> list[Any]:
+            return [o async for o in llm.generate("hi", SamplingParams(temperature=0.0, max_tokens=2))]
+
+        assert asyncio.run(one())[-1].finished
+    finally:
+        llm.shutdown()
+    assert seen == {"built on kvfleet-engine", "stepped on kvfleet-engine"}
+
+
+def test_a_failed_build_is_raised_to_the_caller_and_leaves_no_engine_thread(tmp_path: Path) -> None:
+    import threading
+
+    with pytest.raises(Exception) as direct:
+        LLM(model=str(tmp_path / "missing"), **OPTIONS)
+    with pytest.raises(type(direct.value), match="missing"):
+        AsyncLLM.from_options(str(tmp_path / "missing"), **OPTIONS)
+    assert not [t for t in threading.enumerate() if t.name == "kvfleet-engine" and t.is_alive()]
