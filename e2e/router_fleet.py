@@ -60,7 +60,11 @@ class Fleet:
 
     def apply(self, replicas: int, **spec: Any) -> None:
         """Apply the InferenceDeployment with this many replicas; wait until they are Ready and routed to."""
-        runtime = {"dtype": "float32", "maxModelLen": 512, "maxNumSeqs": 8, "drainGracePeriodSeconds": 5}
+        # One OpenMP thread a replica: the replicas share this machine's cores, as pods on a node share theirs by
+        # their CPU requests. With every replica's team as wide as the machine, three replicas oversubscribe it and
+        # each parallel region waits on a descheduled thread: a scale-up would measure contention, not routing.
+        runtime = {"dtype": "float32", "maxModelLen": 512, "maxNumSeqs": 8, "drainGracePeriodSeconds": 5,
+                   "extraArgs": ["--num-threads", "1"]}
         apply_cr(self.cluster, inference_deployment(self.name, self.namespace, self.model_dir, replicas=replicas,
                                                     runtime=runtime, **spec))
         wait_ready(self.cluster, self.namespace, self.name, replicas)
