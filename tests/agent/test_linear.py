@@ -8,6 +8,8 @@ import pytest
 import torch
 
 from kvfleet_agent import LLM
+from kvfleet_agent.layers import gemm_crossover
+from kvfleet_agent.layers.gemm_crossover import KEEP_DENSE_MAX, NEVER
 from kvfleet_agent.layers.linear import (
     ColumnParallelLinear,
     MergedColumnParallelLinear,
@@ -90,8 +92,42 @@ def test_rank_shards_reassemble_the_full_weights_and_each_is_prepacked(tiny_chec
     x = torch.randn(5, 256)  # wide enough for every layer's inputs; a column slice of it is strided, as in the model
     for name, m in ranks[1].named_modules():
         if isinstance(m, ColumnParallelLinear | MergedColumnParallelLinear | RowParallelLinear):
-            assert m.packed is not None and m.weight.is_meta, "one copy of the weight: the packed one"
+            assert m.packed is not None
+            # One copy of the weight, the packed one, unless it is small and F.linear beats it on few rows.
+            assert m.weight.is_meta == (m.dense_below == NEVER)
             w = shards[1][f"{name}.weight"]
-            y = linear(x[:, :w.shape[1]], m.weight, m.bias, m.packed)
-            torch.testing.assert_close(y, torch.nn.functional.linear(x[:, :w.shape[1]], w, m.bias),
-                                       atol=1e-4, rtol=1e-5)
+            for rows in (1, 5):  # below the crossover if there is one, and above it
+                y = m.matmul(x[:rows, :w.shape[1]], m.bias)
+                torch.testing.assert_close(y, torch.nn.functional.linear(x[:rows, :w.shape[1]], w, m.bias),
+                                           atol=1e-4, rtol=1e-5)
+
+
+def test_a_small_weight_runs_f_linear_below_its_crossover_and_a_large_one_keeps_one_copy(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # The crossover is a timing (which path wins depends on the machine): fixed here at 4 rows, so that both paths
+    # are taken and checked against the reference whatever this machine measures.
+    monkeypatch.setattr(gemm_crossover, "_measured", {})
+    monkeypatch.setattr(gemm_crossover, "_measure", lambda *_: 4)
+    small, large = ColumnParallelLinear(128, 256, bias=True), ColumnParallelLinear(1024, KEEP_DENSE_MAX // 1024 + 1)
+    for m in (small, large):
+        torch.nn.init.normal_(m.weight)
+        if m.bias is not None:
+            torch.nn.init.normal_(m.bias)
+    dense = small.weight.detach().clone()
+    small.pack_weights()
+    large.pack_weights()
+    assert large.dense_below == NEVER and large.weight.is_meta, "a large weight must not be held twice"
+    assert small.dense_below == 4 and not small.weight.is_meta
+    for rows in (1, 3, 4, 100):
+        x = torch.randn(rows, 128)
+        torch.testing.assert_close(small(x), torch.nn.functional.linear(x, dense, small.bias), atol=1e-4, rtol=1e-5)
+
+
+def test_the_measured_crossover_is_a_row_count_and_is_measured_once_per_shape(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(gemm_crossover, "_measured", {})
+    w = torch.randn(96, 64)
+    packed = pack(w)
+    first = gemm_crossover.crossover(w, lambda x: linear(x, w, None, packed))
+    assert first in (*gemm_crossover.ROWS, 2 * gemm_crossover.ROWS[-1])
+    monkeypatch.setattr(gemm_crossover, "_measure", lambda *_: pytest.fail("measured twice"))
+    assert gemm_crossover.crossover(w, lambda x: linear(x, w, None, packed)) == first

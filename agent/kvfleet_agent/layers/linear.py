@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kvfleet_agent.layers.gemm_crossover import NEVER, crossover
 from kvfleet_agent.layers.quant.matmul import QuantMatmul
 from kvfleet_agent.layers.quant.onload import quantize
 from kvfleet_agent.layers.quant.weight import QuantWeight, cat_rows
@@ -90,6 +91,7 @@ class _Linear(nn.Module):
         self.bias = (attach_loader(nn.Parameter(torch.empty(out_features), requires_grad=False), self.load)
                      if bias else None)
         self.packed: torch.Tensor | None = None
+        self.dense_below = NEVER  # rows below which F.linear on the dense weight beats the packed one
         self.parts: dict[int, torch.Tensor | QuantWeight] = {}  # first row → this rank's rows of a part
         self.qmm: QuantMatmul | None = None
 
@@ -98,10 +100,12 @@ class _Linear(nn.Module):
         if self.parts:
             self._join_parts()
         if can_pack(self.weight):
-            self.packed = pack(self.weight)
-            # The blocked copy is all the matmul reads: the weight keeps its shape on the meta device rather than
-            # a second dense copy (which doubled the weights' memory on CPU).
-            self.weight = nn.Parameter(torch.empty_like(self.weight, device="meta"), requires_grad=False)
+            packed = self.packed = pack(self.weight)
+            self.dense_below = crossover(self.weight, lambda x: linear(x, self.weight, None, packed))
+            if self.dense_below == NEVER:
+                # The blocked copy is all the matmul reads: the weight keeps its shape on the meta device rather
+                # than a second dense copy (which doubled the weights' memory on CPU).
+                self.weight = nn.Parameter(torch.empty_like(self.weight, device="meta"), requires_grad=False)
 
     def _join_parts(self) -> None:
         parts = [self.parts[row] for row in sorted(self.parts)]
@@ -143,7 +147,9 @@ class _Linear(nn.Module):
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """x·Wᵀ + b through the quantized kernel, the prepacked weight or F.linear."""
         if self.qmm is None:
-            return linear(x, self.weight, bias, self.packed)
+            # A small weight runs F.linear on its dense copy for few rows (see gemm_crossover).
+            few = self.dense_below != NEVER and x.numel() < self.dense_below * x.shape[-1]
+            return linear(x, self.weight, bias, None if few else self.packed)
         y = self.qmm(x)
         return y if bias is None else y.add_(bias)
 

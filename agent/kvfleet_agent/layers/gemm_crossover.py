@@ -1,0 +1,63 @@
+"""GEMM crossover: the row count from which a prepacked oneDNN linear beats MKL's F.linear, measured per weight shape.
+
+oneDNN's inner product on a prepacked weight runs large batches 2-2.5x faster than F.linear, but each call costs a
+fixed 25-40 us (measured on the 2-core AMD EPYC here, 1 or 2 threads), where F.linear on a small weight takes 5-20 us
+at one row. Below a weight of a few hundred thousand elements a decode step (a few rows) is then mostly that fixed
+cost: a 2-layer, 128-wide draft model spent 73 us per linear, most of its forward. A small weight keeps its dense copy
+beside the packed one (KEEP_DENSE_MAX bounds the memory) and runs F.linear below the crossover.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+log = logging.getLogger(__name__)
+
+KEEP_DENSE_MAX = 1 << 19  # elements (2 MiB in fp32): a second, dense copy of a weight this small costs little memory
+ROWS = (1, 2, 4, 8, 16, 32, 64)
+NEVER = 0  # a crossover of 0 rows: the packed path always
+_measured: dict[tuple[int, int, int], int] = {}  # (out, in, threads) → crossover, once per process
+
+
+def crossover(weight: torch.Tensor, run_packed: Callable[[torch.Tensor], torch.Tensor]) -> int:
+    """The fewest rows at which `run_packed(x)` is at least as fast as F.linear(x, weight) (NEVER for a weight too
+    large to keep a dense copy of); measured once per shape and thread count, with the threads the caller runs."""
+    if weight.numel() > KEEP_DENSE_MAX:
+        return NEVER
+    out_f, in_f = weight.shape
+    key = (int(out_f), int(in_f), torch.get_num_threads())
+    if key not in _measured:
+        _measured[key] = _measure(weight, run_packed)
+        log.debug("linear %d -> %d on %d threads: F.linear below %d rows, prepacked oneDNN from there", in_f, out_f,
+                  key[2], _measured[key])
+    return _measured[key]
+
+
+def _measure(weight: torch.Tensor, run_packed: Callable[[torch.Tensor], torch.Tensor]) -> int:
+    """The first of ROWS at which the packed path wins (beyond ROWS, the packed path: it wins large batches)."""
+    with torch.inference_mode():
+        for rows in ROWS:
+            x = torch.randn(rows, weight.shape[1], dtype=weight.dtype)
+            if _fastest(run_packed, x) <= _fastest(lambda rows_in: F.linear(rows_in, weight), x):
+                return rows
+    return 2 * ROWS[-1]
+
+
+def _fastest(call: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, blocks: int = 5, per_block: int = 8
+             ) -> float:
+    """The least time of `blocks` blocks of calls, after a warm-up: the least is the one least disturbed by whatever
+    else the machine runs."""
+    for _ in range(3):
+        call(x)
+    best = float("inf")
+    for _ in range(blocks):
+        start = time.perf_counter()
+        for _ in range(per_block):
+            call(x)
+        best = min(best, time.perf_counter() - start)
+    return best
