@@ -14,7 +14,8 @@ each exploring step costs more, so it explores every EXPLORE_EVERY_FAR steps ins
 it (observe_transition), and runs into speculation are spaced so that transitions take at most EXPLORE_BUDGET of
 the time.
 
-Speculation must win by MARGIN to be kept: a step's tokens per second do not see all it costs. Requests that
+Speculation must win by MARGIN to be taken up (and is kept while it wins at all): a step's tokens per second do not
+see all it costs. Requests that
 speculate finish at different times, so a batch runs its tail smaller; a verification's ITL varies more; rejected
 drafts take KV slots. Where the two modes are within the margin, not speculating is the cheaper bet.
 """
@@ -75,6 +76,7 @@ class SpecSwitch:
     def __init__(self) -> None:
         self.rates: dict[tuple[int, bool], _Rate] = {}
         self.decisions: dict[int, int] = {}
+        self.speculating: dict[int, bool] = {}  # the bucket's chosen mode, outside its exploring runs
         self.explore_at: dict[int, int] = {}  # the bucket's step where its next exploring run starts
         self.transition_s: dict[int, float] = {}  # the seconds of a transition into speculation, weighted
 
@@ -87,7 +89,10 @@ class SpecSwitch:
             return True  # learn what speculating does here first: it is what the operator asked for
         if off.n < MIN_SAMPLES:
             return False
-        best = on.rate > off.rate * (1 + MARGIN)
+        # Hysteresis: speculation is taken up when it wins by MARGIN and given up only when it stops winning, so
+        # rates that wander about the margin (a verification yields 0..k tokens) do not flip the mode every few
+        # steps; a flip costs a draft model a catch-up of every token it skipped.
+        best = self.speculating[b] = on.rate > off.rate * (1 + (0.0 if self.speculating.get(b) else MARGIN))
         worse, better = sorted((on.rate, off.rate))
         every = EXPLORE_EVERY_FAR if worse < FAR * better else EXPLORE_EVERY
         if not best and b in self.transition_s and off.step_s > 0:
