@@ -83,7 +83,7 @@ def spec_config(name: str, draft: str, k: int) -> dict[str, Any] | None:
     method, _, fixed = name.partition("-")
     base: dict[str, Any] = {"num_speculative_tokens": k, "adaptive": fixed != "fixed"}
     if method == "ngram":
-        return {**base, "method": "ngram", "prompt_lookup_min": 2, "prompt_lookup_max": 4}
+        return {**base, "method": "ngram", "prompt_lookup_min": 1, "prompt_lookup_max": 4}
     return {**base, "method": "draft_model", "model": draft}
 
 
