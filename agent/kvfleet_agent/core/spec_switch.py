@@ -15,9 +15,9 @@ it (observe_transition), and runs into speculation are spaced so that transition
 the time.
 
 Speculation must win by MARGIN to be taken up (and is kept while it wins at all): a step's tokens per second do not
-see all it costs. Requests that
-speculate finish at different times, so a batch runs its tail smaller; a verification's ITL varies more; rejected
-drafts take KV slots. Where the two modes are within the margin, not speculating is the cheaper bet.
+see all it costs. Requests that speculate finish at different times, so a batch runs its tail smaller; a
+verification's ITL varies more; rejected drafts take KV slots. Where the two modes are within the margin, not
+speculating is the cheaper bet.
 """
 
 from __future__ import annotations
