@@ -147,8 +147,8 @@ class _Linear(nn.Module):
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """x·Wᵀ + b through the quantized kernel, the prepacked weight or F.linear."""
         if self.qmm is None:
-            # A small weight runs F.linear on its dense copy for few rows (see gemm_crossover).
-            few = self.dense_below != NEVER and x.numel() < self.dense_below * x.shape[-1]
+            # A small weight runs F.linear on its dense copy for few rows (see gemm_crossover); NEVER is 0 rows.
+            few = x.numel() < self.dense_below * x.shape[-1]
             return linear(x, self.weight, bias, None if few else self.packed)
         y = self.qmm(x)
         return y if bias is None else y.add_(bias)
