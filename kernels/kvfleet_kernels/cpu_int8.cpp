@@ -8,156 +8,21 @@
 // the FMAs, and this measured as fast or faster at every M (1..1024) than dequantizing a K-block into an L1 buffer
 // once and reloading it per 6-row block (the BLIS-style alternative; e.g. 5632x1024 weight, M=16, two threads:
 // 1.76 ms against 1.92, oneDNN's fp32 GEMM 3.16).
-// OpenMP (torch's own pool, via at::parallel_for) splits the tiles. AVX2+FMA code is chosen at run time, with a
-// portable loop elsewhere, so one build runs on any x86-64 (or other) CPU.
-#include <ATen/Parallel.h>
-#include <ATen/core/Tensor.h>
-#include <ATen/ops/empty.h>
+// The loops are cpu_tiles.h's, shared with the fp32 op (OpenMP through torch's own pool splits the tiles; AVX2+FMA
+// code is chosen at run time, with a portable loop elsewhere, so one build runs on any x86-64 CPU).
 #include <torch/library.h>
 
-#include <algorithm>
-#include <cstdint>
-#include <cstring>
-#include <vector>
-
-#include "cpu_simd.h"
+#include "cpu_tiles.h"
 
 namespace {
 
-constexpr int64_t NR = 16;   // output columns per packed tile (two 8-float registers)
-constexpr int64_t MR = 6;    // rows per register block: 6 x 2 accumulators + 2 weights + 1 broadcast <= 16 ymm
-constexpr int64_t MC = 96;   // rows per pass over the tiles, so a long x (prefill) is re-read from L2, not memory
-
-// Portable loops (no AVX2, or not x86): c[r, 0:16] = Σ_k x[r, k] · q[k, 0:16] for rows [0, rows).
-void rows_portable(const float* x, int64_t lda, int64_t rows, const int8_t* qt, int64_t K, float* c) {
-  for (int64_t r = 0; r < rows; ++r) {
-    float acc[NR] = {};
-    for (int64_t k = 0; k < K; ++k) {
-      const float a = x[r * lda + k];
-      for (int64_t j = 0; j < NR; ++j) acc[j] += a * static_cast<float>(qt[k * NR + j]);
-    }
-    std::memcpy(c + r * NR, acc, sizeof(acc));
-  }
-}
-
-#ifdef KVF_X86
-KVF_AVX2 inline void dequant16(const int8_t* p, __m256& lo, __m256& hi) {
-  // Two 8-byte loads sign-extended straight from memory (vpmovsxbd ymm, m64): no shuffle to split a 16-byte load.
-  lo = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
-  hi = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 8))));
-}
-
-// R rows against one tile, dequantizing in registers. U independent accumulator sets over k hide the FMA
-// latency (4 cycles, 2 pipes) when R is too small to do it: U*R >= 4.
-template <int R, int U>
-KVF_AVX2 void rows_avx2_block(const float* x, int64_t lda, const int8_t* qt, int64_t K, float* c) {
-  __m256 acc[U][R][2];
-  KVF_UNROLL
-  for (int u = 0; u < U; ++u)
-    KVF_UNROLL
-    for (int r = 0; r < R; ++r) acc[u][r][0] = acc[u][r][1] = _mm256_setzero_ps();
-  int64_t k = 0;
-  for (; k + U <= K; k += U) {
-    KVF_UNROLL
-    for (int u = 0; u < U; ++u) {
-      __m256 b0, b1;
-      dequant16(qt + (k + u) * NR, b0, b1);
-      KVF_UNROLL
-      for (int r = 0; r < R; ++r) {
-        const __m256 a = _mm256_broadcast_ss(x + r * lda + k + u);
-        acc[u][r][0] = _mm256_fmadd_ps(a, b0, acc[u][r][0]);
-        acc[u][r][1] = _mm256_fmadd_ps(a, b1, acc[u][r][1]);
-      }
-    }
-  }
-  for (; k < K; ++k) {
-    __m256 b0, b1;
-    dequant16(qt + k * NR, b0, b1);
-    KVF_UNROLL
-    for (int r = 0; r < R; ++r) {
-      const __m256 a = _mm256_broadcast_ss(x + r * lda + k);
-      acc[0][r][0] = _mm256_fmadd_ps(a, b0, acc[0][r][0]);
-      acc[0][r][1] = _mm256_fmadd_ps(a, b1, acc[0][r][1]);
-    }
-  }
-  KVF_UNROLL
-  for (int r = 0; r < R; ++r) {
-    KVF_UNROLL
-    for (int u = 1; u < U; ++u) {
-      acc[0][r][0] = _mm256_add_ps(acc[0][r][0], acc[u][r][0]);
-      acc[0][r][1] = _mm256_add_ps(acc[0][r][1], acc[u][r][1]);
-    }
-    _mm256_storeu_ps(c + r * NR, acc[0][r][0]);
-    _mm256_storeu_ps(c + r * NR + 8, acc[0][r][1]);
-  }
-}
-
-KVF_AVX2 void rows_avx2(const float* x, int64_t lda, int64_t rows, const int8_t* qt, int64_t K, float* c) {
-  for (int64_t r0 = 0; r0 < rows; r0 += MR) {
-    const float* xr = x + r0 * lda;
-    float* cr = c + r0 * NR;
-    switch (std::min(rows - r0, MR)) {
-      case 1: rows_avx2_block<1, 4>(xr, lda, qt, K, cr); break;
-      case 2: rows_avx2_block<2, 2>(xr, lda, qt, K, cr); break;
-      case 3: rows_avx2_block<3, 2>(xr, lda, qt, K, cr); break;
-      case 4: rows_avx2_block<4, 1>(xr, lda, qt, K, cr); break;
-      case 5: rows_avx2_block<5, 1>(xr, lda, qt, K, cr); break;
-      default: rows_avx2_block<6, 1>(xr, lda, qt, K, cr); break;
-    }
-  }
-}
-
-#endif
-
-// y[r, 16t + j] = c[r, j] · scale[16t + j] for the columns that exist (the last tile may be partial).
-void store_tile(const float* c, int64_t rows, int64_t t, const float* scale, int64_t n, float* y) {
-  const int64_t j0 = t * NR, width = std::min(NR, n - j0);
-  for (int64_t r = 0; r < rows; ++r)
-    for (int64_t j = 0; j < width; ++j) y[r * n + j0 + j] = c[r * NR + j] * scale[j0 + j];
-}
-
 // x [M, K] fp32 (rows may be strided), qp [NT, K, 16] int8, scale [NT*16] fp32, n <= 16*NT real columns.
-// portable: the plain C++ loop even where AVX2 runs (so tests check it on any machine).
-at::Tensor int8_linear(const at::Tensor& x_in, const at::Tensor& qp, const at::Tensor& scale, int64_t n,
+at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& qp, const at::Tensor& scale, int64_t n,
                        bool portable) {
-  TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == at::kFloat && x_in.device().is_cpu(), "x: 2-D fp32 CPU");
-  TORCH_CHECK(qp.dim() == 3 && qp.scalar_type() == at::kChar && qp.size(2) == NR && qp.is_contiguous(),
-              "qp: contiguous int8 [NT, K, 16]");
-  TORCH_CHECK(qp.size(1) == x_in.size(1), "x has ", x_in.size(1), " columns, the weight ", qp.size(1));
-  TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.is_contiguous() && scale.numel() == qp.size(0) * NR,
+  TORCH_CHECK(qp.scalar_type() == at::kChar, "qp: int8 [NT, K, 16] tiles");
+  TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.is_contiguous() && scale.numel() == qp.size(0) * kvf_tiles::NR,
               "scale: contiguous fp32 [NT*16]");
-  TORCH_CHECK(n > (qp.size(0) - 1) * NR && n <= qp.size(0) * NR, "n does not match the packed tiles");
-  const at::Tensor x = x_in.stride(1) == 1 ? x_in : x_in.contiguous();
-  const int64_t M = x.size(0), K = x.size(1), NT = qp.size(0), lda = x.stride(0);
-  at::Tensor y = at::empty({M, n}, x.options());
-  if (M == 0) return y;
-  if (K == 0) return y.zero_();
-  const float* xp = x.const_data_ptr<float>();
-  const int8_t* q = qp.const_data_ptr<int8_t>();
-  const float* sp = scale.const_data_ptr<float>();
-  float* yp = y.mutable_data_ptr<float>();
-  const bool avx2 = has_avx2() && !portable;
-  // Enough tiles per task that a thread's share outweighs waking it (~64K multiply-adds).
-  const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 16) / (NR * K * std::min(M, MC)));
-  at::parallel_for(0, NT, grain, [&](int64_t t0, int64_t t1) {
-    const int64_t mc = std::min(M, MC);
-    std::vector<float> c(static_cast<size_t>(mc * NR));
-    for (int64_t m0 = 0; m0 < M; m0 += mc) {  // one pass for decode batches
-      const int64_t rows = std::min(mc, M - m0);
-      const float* xm = xp + m0 * lda;
-      for (int64_t t = t0; t < t1; ++t) {
-        const int8_t* qt = q + t * K * NR;
-#ifdef KVF_X86
-        if (avx2)
-          rows_avx2(xm, lda, rows, qt, K, c.data());
-        else
-#endif
-          rows_portable(xm, lda, rows, qt, K, c.data());
-        store_tile(c.data(), rows, t, sp, n, yp + m0 * n);
-      }
-    }
-  });
-  return y;
+  return kvf_tiles::tiled_linear<int8_t>(x, qp, scale.const_data_ptr<float>(), n, portable);
 }
 
 }  // namespace

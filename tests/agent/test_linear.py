@@ -22,6 +22,7 @@ from kvfleet_agent.layers.tp_group import TPGroup
 from kvfleet_agent.models.config import ModelConfig
 from kvfleet_agent.models.llama import LlamaForCausalLM
 from kvfleet_agent.models.loader import load_weights
+from kvfleet_kernels import cpu_f32
 
 pytestmark = pytest.mark.skipif(not can_pack(torch.empty(1, 1)), reason="this torch build has no oneDNN")
 
@@ -93,8 +94,9 @@ def test_rank_shards_reassemble_the_full_weights_and_each_is_prepacked(tiny_chec
     for name, m in ranks[1].named_modules():
         if isinstance(m, ColumnParallelLinear | MergedColumnParallelLinear | RowParallelLinear):
             assert m.packed is not None
-            # One copy of the weight, the packed one, unless it is small and F.linear beats it on few rows.
-            assert m.weight.is_meta == (m.dense_below == NEVER)
+            # The packed weight, and a small one's few-row copy: the tiles (the dense weight then goes) or, without
+            # the cpu_f32 kernel, the dense weight for F.linear.
+            assert m.weight.is_meta == (m.few_below == NEVER or m.tiles is not None)
             w = shards[1][f"{name}.weight"]
             for rows in (1, 5):  # below the crossover if there is one, and above it
                 y = m.matmul(x[:rows, :w.shape[1]], m.bias)
@@ -102,10 +104,15 @@ def test_rank_shards_reassemble_the_full_weights_and_each_is_prepacked(tiny_chec
                                            atol=1e-4, rtol=1e-5)
 
 
-def test_a_small_weight_runs_f_linear_below_its_crossover_and_a_large_one_keeps_one_copy(
-        monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("tiles", [True, False], ids=["cpu_f32-tiles", "f-linear"])
+def test_a_small_weight_runs_its_few_row_path_below_its_crossover_and_a_large_one_keeps_one_copy(
+        monkeypatch: pytest.MonkeyPatch, tiles: bool) -> None:
     # The crossover is a timing (which path wins depends on the machine): fixed here at 4 rows, so that both paths
     # are taken and checked against the reference whatever this machine measures.
+    if tiles:
+        assert cpu_f32.available(), "a compiler is present but the cpu_f32 kernel did not build: see the log"
+    else:
+        monkeypatch.setattr(cpu_f32, "available", lambda: False)
     monkeypatch.setattr(gemm_crossover, "_measured", {})
     monkeypatch.setattr(gemm_crossover, "_measure", lambda *_: 4)
     small, large = ColumnParallelLinear(128, 256, bias=True), ColumnParallelLinear(1024, KEEP_DENSE_MAX // 1024 + 1)
@@ -116,10 +123,12 @@ def test_a_small_weight_runs_f_linear_below_its_crossover_and_a_large_one_keeps_
     dense = small.weight.detach().clone()
     small.pack_weights()
     large.pack_weights()
-    assert large.dense_below == NEVER and large.weight.is_meta, "a large weight must not be held twice"
-    assert small.dense_below == 4 and not small.weight.is_meta
-    for rows in (1, 3, 4, 100):
-        x = torch.randn(rows, 128)
+    assert large.few_below == NEVER and large.weight.is_meta, "a large weight must not be held twice"
+    assert large.tiles is None
+    assert small.few_below == 4 and (small.tiles is not None) == tiles
+    assert small.weight.is_meta == tiles, "the tiles replace the dense copy; F.linear needs it"
+    for shape in [(1,), (3,), (4,), (100,), (2, 1), (1, 3)]:  # a leading batch dimension reaches it too
+        x = torch.randn(*shape, 128)
         torch.testing.assert_close(small(x), torch.nn.functional.linear(x, dense, small.bias), atol=1e-4, rtol=1e-5)
 
 
@@ -127,7 +136,7 @@ def test_the_measured_crossover_is_a_row_count_and_is_measured_once_per_shape(mo
     monkeypatch.setattr(gemm_crossover, "_measured", {})
     w = torch.randn(96, 64)
     packed = pack(w)
-    first = gemm_crossover.crossover(w, lambda x: linear(x, w, None, packed))
+    first = gemm_crossover.crossover(w, lambda x: linear(x, w, None, packed), lambda x: x @ w.T, "matmul")
     assert first in (*gemm_crossover.ROWS, 2 * gemm_crossover.ROWS[-1])
     monkeypatch.setattr(gemm_crossover, "_measure", lambda *_: pytest.fail("measured twice"))
-    assert gemm_crossover.crossover(w, lambda x: linear(x, w, None, packed)) == first
+    assert gemm_crossover.crossover(w, lambda x: linear(x, w, None, packed), lambda x: x @ w.T, "matmul") == first

@@ -1,10 +1,11 @@
-"""GEMM crossover: the row count from which a prepacked oneDNN linear beats MKL's F.linear, measured per weight shape.
+"""GEMM crossover: the row count from which a prepacked oneDNN linear beats the few-row path, measured per weight shape.
 
 oneDNN's inner product on a prepacked weight runs large batches 2-2.5x faster than F.linear, but each call costs a
-fixed 25-40 us (measured on the 2-core AMD EPYC here, 1 or 2 threads), where F.linear on a small weight takes 5-20 us
-at one row. Below a weight of a few hundred thousand elements a decode step (a few rows) is then mostly that fixed
-cost: a 2-layer, 128-wide draft model spent 73 us per linear, most of its forward. A small weight keeps its dense copy
-beside the packed one (KEEP_DENSE_MAX bounds the memory) and runs F.linear below the crossover.
+fixed 25-40 us (measured on the 2-core AMD EPYC here, 1 or 2 threads), where a small weight's read takes 5-20 us at
+one row. Below a weight of a few hundred thousand elements a decode step (a few rows) is then mostly that fixed
+cost: a 2-layer, 128-wide draft model spent 73 us per linear, most of its forward. A small weight keeps a second copy
+beside the packed one (KEEP_DENSE_MAX bounds the memory), for its few-row path: kvfleet_kernels.cpu_f32's tiles where
+that kernel builds (one read of the weight for up to 96 rows), else the dense weight for F.linear.
 """
 
 from __future__ import annotations
@@ -14,36 +15,42 @@ import time
 from collections.abc import Callable
 
 import torch
-import torch.nn.functional as F
 
 log = logging.getLogger(__name__)
 
 KEEP_DENSE_MAX = 1 << 19  # elements (2 MiB in fp32): a second, dense copy of a weight this small costs little memory
 ROWS = (1, 2, 4, 8, 16, 32, 64)
 NEVER = 0  # a crossover of 0 rows: the packed path always
-_measured: dict[tuple[int, int, int], int] = {}  # (out, in, threads) → crossover, once per process
+Run = Callable[[torch.Tensor], torch.Tensor]
+# (out, in, threads, the few-row path's name) → crossover, once per process
+_measured: dict[tuple[int, int, int, str], int] = {}
 
 
-def crossover(weight: torch.Tensor, run_packed: Callable[[torch.Tensor], torch.Tensor]) -> int:
-    """The fewest rows at which `run_packed(x)` is at least as fast as F.linear(x, weight) (NEVER for a weight too
-    large to keep a dense copy of); measured once per shape and thread count, with the threads the caller runs."""
-    if weight.numel() > KEEP_DENSE_MAX:
+def keeps_copy(weight: torch.Tensor) -> bool:
+    """Whether the weight is small enough to hold a second copy for the few-row path."""
+    return weight.numel() <= KEEP_DENSE_MAX
+
+
+def crossover(weight: torch.Tensor, run_packed: Run, run_few: Run, few: str) -> int:
+    """The fewest rows at which `run_packed(x)` is at least as fast as `run_few(x)`, the path named `few` (NEVER for a
+    weight too large to keep a second copy of); measured once per shape and thread count, with the caller's threads."""
+    if not keeps_copy(weight):
         return NEVER
     out_f, in_f = weight.shape
-    key = (int(out_f), int(in_f), torch.get_num_threads())
+    key = (int(out_f), int(in_f), torch.get_num_threads(), few)
     if key not in _measured:
-        _measured[key] = _measure(weight, run_packed)
-        log.debug("linear %d -> %d on %d threads: F.linear below %d rows, prepacked oneDNN from there", in_f, out_f,
-                  key[2], _measured[key])
+        _measured[key] = _measure(weight, run_packed, run_few)
+        log.debug("linear %d -> %d on %d threads: %s below %d rows, prepacked oneDNN from there", in_f, out_f,
+                  key[2], few, _measured[key])
     return _measured[key]
 
 
-def _measure(weight: torch.Tensor, run_packed: Callable[[torch.Tensor], torch.Tensor]) -> int:
+def _measure(weight: torch.Tensor, run_packed: Run, run_few: Run) -> int:
     """The first of ROWS at which the packed path wins (beyond ROWS, the packed path: it wins large batches)."""
     with torch.inference_mode():
         for rows in ROWS:
             x = torch.randn(rows, weight.shape[1], dtype=weight.dtype)
-            if _fastest(run_packed, x) <= _fastest(lambda rows_in: F.linear(rows_in, weight), x):
+            if _fastest(run_packed, x) <= _fastest(run_few, x):
                 return rows
     return 2 * ROWS[-1]
 

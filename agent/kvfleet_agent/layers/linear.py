@@ -16,12 +16,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvfleet_agent.layers.gemm_crossover import NEVER, crossover
+from kvfleet_agent.layers.gemm_crossover import NEVER, crossover, keeps_copy
 from kvfleet_agent.layers.quant.matmul import QuantMatmul
 from kvfleet_agent.layers.quant.onload import quantize
 from kvfleet_agent.layers.quant.weight import QuantWeight, cat_rows
 from kvfleet_agent.layers.tp_group import TPGroup
 from kvfleet_agent.layers.weights import CheckpointTensor
+from kvfleet_kernels import cpu_f32
 
 Loaded = CheckpointTensor | QuantWeight  # a dense checkpoint tensor, or a pre-quantized checkpoint's weight
 # Norms and embeddings take dense tensors only; linears take a quantized weight too.
@@ -91,7 +92,8 @@ class _Linear(nn.Module):
         self.bias = (attach_loader(nn.Parameter(torch.empty(out_features), requires_grad=False), self.load)
                      if bias else None)
         self.packed: torch.Tensor | None = None
-        self.dense_below = NEVER  # rows below which F.linear on the dense weight beats the packed one
+        self.few_below = NEVER  # rows below which the few-row path (tiles, or F.linear) beats the packed weight
+        self.tiles: torch.Tensor | None = None  # the few-row path's copy, for kvfleet_kernels.cpu_f32
         self.parts: dict[int, torch.Tensor | QuantWeight] = {}  # first row → this rank's rows of a part
         self.qmm: QuantMatmul | None = None
 
@@ -101,10 +103,15 @@ class _Linear(nn.Module):
             self._join_parts()
         if can_pack(self.weight):
             packed = self.packed = pack(self.weight)
-            self.dense_below = crossover(self.weight, lambda x: linear(x, self.weight, None, packed))
-            if self.dense_below == NEVER:
-                # The blocked copy is all the matmul reads: the weight keeps its shape on the meta device rather
-                # than a second dense copy (which doubled the weights' memory on CPU).
+            if keeps_copy(self.weight) and cpu_f32.available():
+                self.tiles = cpu_f32.pack(self.weight)
+            self.few_below = crossover(self.weight, lambda x: linear(x, self.weight, None, packed),
+                                       lambda x: self._few(x, None), "tiles" if self.tiles is not None else "F.linear")
+            if self.few_below == NEVER:
+                self.tiles = None
+            if self.few_below == NEVER or self.tiles is not None:
+                # The blocked copy (and the tiles) are all the matmul reads: the weight keeps its shape on the meta
+                # device rather than another dense copy (which doubled the weights' memory on CPU).
                 self.weight = nn.Parameter(torch.empty_like(self.weight, device="meta"), requires_grad=False)
 
     def _join_parts(self) -> None:
@@ -147,10 +154,19 @@ class _Linear(nn.Module):
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """x·Wᵀ + b through the quantized kernel, the prepacked weight or F.linear."""
         if self.qmm is None:
-            # A small weight runs F.linear on its dense copy for few rows (see gemm_crossover); NEVER is 0 rows.
-            few = x.numel() < self.dense_below * x.shape[-1]
-            return linear(x, self.weight, bias, None if few else self.packed)
+            # A small weight runs its few-row path below the crossover (see gemm_crossover); NEVER is 0 rows.
+            if x.numel() < self.few_below * x.shape[-1]:
+                return self._few(x, bias)
+            return linear(x, self.weight, bias, self.packed)
         y = self.qmm(x)
+        return y if bias is None else y.add_(bias)
+
+    def _few(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """x·Wᵀ + b on the few-row path: the tiles through cpu_f32, or F.linear on the dense weight."""
+        if self.tiles is None:
+            return F.linear(x, self.weight, bias)
+        n = int(self.weight.shape[0])  # this rank's output features (the weight is meta by now: its shape holds)
+        y = cpu_f32.linear(x.reshape(-1, x.shape[-1]), self.tiles, n).view(*x.shape[:-1], n)
         return y if bias is None else y.add_(bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -173,7 +189,8 @@ def log_quantized(model: nn.Module, method: str, rank: int) -> None:
 
 
 def weight_bytes(model: nn.Module) -> int:
-    """Bytes a model's weights hold on their device: dense parameters and prepared quantized weights."""
+    """Bytes of a model's weights on their device, one copy each (what a step reads): dense parameters, prepared
+    quantized weights, and a packed weight's blocked copy (a small one's few-row copy beside it is not counted)."""
     dense = sum(p.numel() * p.element_size() for p in model.parameters() if not p.is_meta)
     linears = [m for m in model.modules() if isinstance(m, _Linear)]
     # A packed weight whose dense parameter went to meta (linears, an untied LM head) counts as its packed copy.
