@@ -12,7 +12,9 @@ from kvfleet_agent.core.ngram import NgramIndex
 
 
 def reference(tokens: Sequence[int], min_n: int, max_n: int, k: int) -> list[int]:
-    """O(L²) definition: longest n first, then the latest earlier occurrence that has a token after it."""
+    """O(L²) definition: longest n first, then the latest earlier occurrence that has a token after it; the proposal
+    continues the sequence as the occurrence's continuation did, token by token, reading its own guesses once it
+    passes the end (t[end + j] = t[e + j] for the extended t)."""
     t = list(tokens)
     end = len(t)
     if k <= 0:
@@ -21,7 +23,9 @@ def reference(tokens: Sequence[int], min_n: int, max_n: int, k: int) -> list[int
         suffix = t[end - n:]
         for e in range(end - 1, n - 1, -1):  # occurrence t[e-n:e], continuation from t[e], e <= end-1
             if t[e - n:e] == suffix:
-                return t[e:e + k]
+                for j in range(k):
+                    t.append(t[e + j])
+                return t[end:]
     return []
 
 
@@ -61,17 +65,19 @@ def test_no_match_gives_nothing() -> None:
     assert built([7]).propose(3) == []  # the suffix itself is not an earlier occurrence
 
 
-def test_k_caps_the_proposal_and_sequence_end_shortens_it() -> None:
+def test_k_caps_the_proposal_and_a_continuation_past_the_end_repeats_the_period() -> None:
     tokens = [1, 2, 3, 4, 5, 6, 1, 2]
     idx = built(tokens, 2, 2)
     assert idx.propose(3) == [3, 4, 5]
     assert idx.propose(0) == []
-    assert idx.propose(100) == [3, 4, 5, 6, 1, 2]  # runs into the end of the sequence
+    # [1, 2] recurs 6 tokens on, so the sequence repeats with period 6: past its end, the proposal reads itself.
+    assert idx.propose(9) == [3, 4, 5, 6, 1, 2, 3, 4, 5]
 
 
 def test_overlapping_earlier_occurrence_counts() -> None:
-    # a a a a: suffix [a, a] last occurred at positions 1..2, followed by the final a.
-    assert built([8, 8, 8, 8], 2, 2).propose(3) == [8]
+    # a a a a: suffix [a, a] last occurred at positions 1..2, followed by the final a, and a loop stays a loop.
+    assert built([8, 8, 8, 8], 2, 2).propose(3) == [8, 8, 8]
+    assert built([5, 7, 5, 7, 5], 2, 3).propose(4) == [7, 5, 7, 5]
 
 
 def test_min_n_is_respected() -> None:

@@ -78,8 +78,10 @@ class NgramIndex:
         """Up to k tokens that followed the most recent earlier occurrence of the longest recurring suffix.
 
         The suffix length n is the largest in [min_n, max_n] whose n-gram occurred before (with a token
-        after it); fewer than k tokens come back when that continuation runs into the sequence's end,
-        and none when no suffix of length min_n or more recurred.
+        after it), and none come back when no suffix of length min_n or more recurred. A continuation
+        that runs into the sequence's end goes on with its own proposal: the match says the sequence
+        repeats with period end - start, so what the period predicts for position end + j is what it
+        predicted for end + j - period (a loop a model fell into is proposed for all k, not cut short).
         """
         if k <= 0:
             return []
@@ -98,4 +100,8 @@ class NgramIndex:
                 start = node.last
         if start < 0:
             return []
-        return toks[start:start + k]
+        out = toks[start:start + k]
+        period = end - start
+        while len(out) < k:
+            out.append(out[len(out) - period])
+        return out
