@@ -140,3 +140,26 @@ def test_the_measured_crossover_is_a_row_count_and_is_measured_once_per_shape(mo
     assert first in (*gemm_crossover.ROWS, 2 * gemm_crossover.ROWS[-1])
     monkeypatch.setattr(gemm_crossover, "_measure", lambda *_: pytest.fail("measured twice"))
     assert gemm_crossover.crossover(w, lambda x: linear(x, w, None, packed), lambda x: x @ w.T, "matmul") == first
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_the_lm_head_runs_the_few_row_path_below_its_crossover(monkeypatch: pytest.MonkeyPatch, tied: bool) -> None:
+    from kvfleet_agent.layers.embedding import ParallelLMHead
+
+    assert cpu_f32.available(), "a compiler is present but the cpu_f32 kernel did not build: see the log"
+    monkeypatch.setattr(gemm_crossover, "_measured", {})
+    monkeypatch.setattr(gemm_crossover, "_measure", lambda *_: 4)
+    head = ParallelLMHead(300, 64)
+    torch.nn.init.normal_(head.weight)
+    head.tied = tied
+    dense = head.weight.detach().clone()
+    head.pack_weights()
+    assert head.few_below == 4 and head.tiles is not None and head.packed is not None
+    assert head.weight.is_meta != tied, "a tied head's weight is the embedding table: it must stay"
+    calls: list[int] = []
+    real = cpu_f32.linear
+    monkeypatch.setattr(cpu_f32, "linear", lambda x, *a: calls.append(x.shape[0]) or real(x, *a))
+    for rows in (1, 3, 4, 40):
+        x = torch.randn(rows, 64)
+        torch.testing.assert_close(head(x), torch.nn.functional.linear(x, dense), atol=1e-4, rtol=1e-5)
+    assert calls == [1, 3], "rows below the crossover run the tiles, the rest oneDNN's packed weight"

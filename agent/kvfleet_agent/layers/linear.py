@@ -59,6 +59,26 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return F.linear(x, weight, bias)
 
 
+def few_row_path(weight: torch.Tensor, packed: torch.Tensor) -> tuple[torch.Tensor | None, int]:
+    """A packed weight's few-row copy and the rows below which it runs (see gemm_crossover): kvfleet_kernels.cpu_f32's
+    tiles where that kernel builds, else F.linear on the dense weight (None); NEVER rows for a weight too large to
+    keep a second copy of. The dense weight can go unless the result is (None, rows > 0)."""
+    tiles = cpu_f32.pack(weight) if keeps_copy(weight) and cpu_f32.available() else None
+    rows = crossover(weight, lambda x: linear(x, weight, None, packed), lambda x: few_rows(x, weight, tiles, None),
+                     "F.linear" if tiles is None else "tiles")
+    return (None, NEVER) if rows == NEVER else (tiles, rows)
+
+
+def few_rows(x: torch.Tensor, weight: torch.Tensor, tiles: torch.Tensor | None,
+             bias: torch.Tensor | None) -> torch.Tensor:
+    """x·Wᵀ + b on the few-row path: the tiles through cpu_f32, or F.linear on the dense weight."""
+    if tiles is None:
+        return F.linear(x, weight, bias)
+    n = int(weight.shape[0])  # the output features (a meta weight's shape holds)
+    y = cpu_f32.linear(x.reshape(-1, x.shape[-1]), tiles, n).view(*x.shape[:-1], n)
+    return y if bias is None else y.add_(bias)
+
+
 def attach_loader(param: nn.Parameter, loader: WeightLoader) -> nn.Parameter:
     """Give a parameter its weight loader (read back by models/loader.py)."""
     param.weight_loader = loader  # type: ignore[attr-defined]
@@ -102,13 +122,8 @@ class _Linear(nn.Module):
         if self.parts:
             self._join_parts()
         if can_pack(self.weight):
-            packed = self.packed = pack(self.weight)
-            if keeps_copy(self.weight) and cpu_f32.available():
-                self.tiles = cpu_f32.pack(self.weight)
-            self.few_below = crossover(self.weight, lambda x: linear(x, self.weight, None, packed),
-                                       lambda x: self._few(x, None), "tiles" if self.tiles is not None else "F.linear")
-            if self.few_below == NEVER:
-                self.tiles = None
+            self.packed = pack(self.weight)
+            self.tiles, self.few_below = few_row_path(self.weight, self.packed)
             if self.few_below == NEVER or self.tiles is not None:
                 # The blocked copy (and the tiles) are all the matmul reads: the weight keeps its shape on the meta
                 # device rather than another dense copy (which doubled the weights' memory on CPU).
@@ -156,17 +171,9 @@ class _Linear(nn.Module):
         if self.qmm is None:
             # A small weight runs its few-row path below the crossover (see gemm_crossover); NEVER is 0 rows.
             if x.numel() < self.few_below * x.shape[-1]:
-                return self._few(x, bias)
+                return few_rows(x, self.weight, self.tiles, bias)
             return linear(x, self.weight, bias, self.packed)
         y = self.qmm(x)
-        return y if bias is None else y.add_(bias)
-
-    def _few(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        """x·Wᵀ + b on the few-row path: the tiles through cpu_f32, or F.linear on the dense weight."""
-        if self.tiles is None:
-            return F.linear(x, self.weight, bias)
-        n = int(self.weight.shape[0])  # this rank's output features (the weight is meta by now: its shape holds)
-        y = cpu_f32.linear(x.reshape(-1, x.shape[-1]), self.tiles, n).view(*x.shape[:-1], n)
         return y if bias is None else y.add_(bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
