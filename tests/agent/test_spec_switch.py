@@ -97,3 +97,21 @@ def test_a_costly_transition_into_speculation_spaces_the_exploring_runs() -> Non
     runs = [i for i in range(1, len(tail)) if tail[i] and not tail[i - 1]]
     gap = 40 / EXPLORE_BUDGET
     assert 1 <= len(runs) <= len(tail) / gap + 1 and all(b - a >= gap for a, b in itertools.pairwise(runs))
+
+
+def test_exploring_runs_far_behind_are_spaced_by_what_their_steps_lose() -> None:
+    """No transition to pay (prompt lookup), but speculating delivers a quarter of off's rate here: each exploring
+    run loses EXPLORE_RUN steps' worth of that shortfall, so runs come no more often than keeps the loss within
+    EXPLORE_BUDGET of the time (more rarely than EXPLORE_EVERY_FAR would)."""
+    switch = SpecSwitch()
+    step_on, step_off = 0.4, 0.1  # 100 tokens a step either way: 250 tok/s on, 1000 off
+    chosen: list[bool] = []
+    for _ in range(2 * MIN_SAMPLES + 6000):
+        on = switch.choose(16)
+        switch.observe(16, on, 100, step_on if on else step_off)
+        chosen.append(on)
+    tail = chosen[2 * MIN_SAMPLES:]
+    runs = [i for i in range(1, len(tail)) if tail[i] and not tail[i - 1]]
+    gap = EXPLORE_RUN * step_on * (1 - 250 / 1000) / (EXPLORE_BUDGET * step_off)
+    assert gap > EXPLORE_EVERY_FAR
+    assert len(runs) >= 2 and all(b - a >= 0.99 * gap for a, b in itertools.pairwise(runs))  # rates are EWMAs

@@ -115,8 +115,8 @@ class Scheduler:
         running request (what their next step's own growth may need): speculation never preempts, and never takes
         what a plain decode would need; a request whose lookahead does not fit gets fewer or no proposals."""
         spec = self.speculator
-        if spec is None or spec.config.method != "draft_model":
-            return
+        if spec is None or spec.config.method != "draft_model" or spec.draft_k == 0:
+            return  # no draft model, or it does not run after this step (speculation off): no slots to reserve
         k = spec.config.num_speculative_tokens
         for c in chunks:
             req = self.requests[c.request_id]

@@ -11,8 +11,8 @@ the mode's steady rate. Exploring costs at most EXPLORE_RUN/EXPLORE_EVERY of the
 one mode is far behind (below FAR of the other's rate) a change large enough to reverse the order is unlikely and
 each exploring step costs more, so it explores every EXPLORE_EVERY_FAR steps instead. A draft model's transition
 (its catch-up over every token it skipped while off) can cost many steps' time at large batch: the caller reports
-it (observe_transition), and runs into speculation are spaced so that transitions take at most EXPLORE_BUDGET of
-the time.
+it (observe_transition), and exploring runs are spaced so that what they lose against staying off (the transition,
+and the run's steps at the worse rate) is at most EXPLORE_BUDGET of the time.
 
 Speculation must win by MARGIN to be taken up (and is kept while it wins at all): a step's tokens per second do not
 see all it costs. Requests that speculate finish at different times, so a batch runs its tail smaller; a
@@ -30,7 +30,7 @@ EXPLORE_EVERY_FAR = 256
 EXPLORE_RUN = 3
 FAR = 0.75  # the worse mode's share of the better's rate below which it is explored EXPLORE_EVERY_FAR
 MARGIN = 0.05  # speculating must deliver this much more than not to be chosen
-EXPLORE_BUDGET = 0.03  # the share of the time that transitions into speculation may take while it is off
+EXPLORE_BUDGET = 0.02  # the share of the time that exploring runs (transitions and their steps) may lose while off
 MIN_SAMPLES = 8  # steps of each mode in a bucket before the comparison is trusted (a verification yields 0..k)
 # Per step of the bucket, whichever mode ran it: a mode's rate forgets with age, not with its own observations, so
 # an exploring run is judged by what it measures now rather than by the same mode's steps from runs ago.
@@ -95,8 +95,11 @@ class SpecSwitch:
         best = self.speculating[b] = on.rate > off.rate * (1 + (0.0 if self.speculating.get(b) else MARGIN))
         worse, better = sorted((on.rate, off.rate))
         every = EXPLORE_EVERY_FAR if worse < FAR * better else EXPLORE_EVERY
-        if not best and b in self.transition_s and off.step_s > 0:
-            every = max(every, math.ceil(self.transition_s[b] / (EXPLORE_BUDGET * off.step_s)))
+        if not best and off.step_s > 0 and off.rate > 0:
+            # What an exploring run costs against staying off: the transition (a draft model's catch-up), and its
+            # steps' shortfall in tokens (EXPLORE_RUN steps at on's rate instead of off's), spaced to the budget.
+            cost = self.transition_s.get(b, 0.0) + EXPLORE_RUN * on.step_s * max(0.0, 1.0 - on.rate / off.rate)
+            every = max(every, math.ceil(cost / (EXPLORE_BUDGET * off.step_s)))
         at = self.explore_at.setdefault(b, every)
         if count >= at + EXPLORE_RUN:
             at = self.explore_at[b] = max(at + every, count)

@@ -73,7 +73,8 @@ class Speculator:
     def propose(self, decodes: Sequence[Request], num_other_tokens: int, budget: int) -> dict[str, list[int]]:
         """Drafts for this step's decode requests (only those that get any), within `budget` extra tokens."""
         proposals: dict[str, list[int]] = {}
-        candidates = [req for req in decodes if eligible(req)]
+        # A draft model's proposals came from its last run; none (it was off) leaves nothing to look up per request.
+        candidates = [req for req in decodes if eligible(req)] if self.config.method == "ngram" or self.external else []
         on = True
         if self.config.method == "ngram" and self.config.adaptive and candidates:
             # Decided before guessing: while the switch keeps speculation off, the lookups (a Python scan per request
