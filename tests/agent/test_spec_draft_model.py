@@ -149,6 +149,16 @@ def test_the_scheduler_takes_k_lookahead_slots_from_spare_free_blocks_only() -> 
     assert step(num_blocks=6, requests=2) == [2, 2]
 
 
+def test_no_lookahead_slots_are_taken_for_a_step_after_which_the_draft_does_not_run() -> None:
+    kv = KVCacheManager(16, 4)
+    spec = Speculator(SpeculativeConfig.parse(draft("unused")))
+    spec.draft_k = 0  # the switch turned speculation off: the draft runs nothing after this step
+    sched = Scheduler(kv, max_num_seqs=8, max_num_batched_tokens=64, speculator=spec)
+    for i in range(2):
+        sched.add(Request(f"r{i}", [5 + i] * 6, SamplingParams(max_tokens=20), max_model_len=64))
+    assert [len(c.block_table) for c in sched.schedule().chunks] == [2, 2]  # the prompts' blocks only
+
+
 def test_the_warm_up_runs_the_drafts_forward_and_proposals(tiny_checkpoint: Callable[..., str],
                                                            monkeypatch: pytest.MonkeyPatch) -> None:
     proposals: list[dict[str, list[int]]] = []
