@@ -168,3 +168,19 @@ def paged_pool(lengths: list[int], bs: int, kvh: int, d: int, dtype: torch.dtype
 def strided_heads(t: int, h: int, d: int, g: torch.Generator, dtype: torch.dtype) -> torch.Tensor:
     """[t, h, d] viewed out of a wider packed tensor, as the model slices q out of its QKV projection."""
     return randn((t, h + 3, d), g, dtype)[:, 1:h + 1]
+
+
+# The tiled CPU GEMMs' cases (cpu_int8, cpu_f32): (M, N, K) around the 6-row register block and the 96-row pass, N and
+# K off every 16-column tile.
+TILE_SHAPES = [(1, 16, 64), (1, 1, 1), (1, 17, 33), (2, 48, 100), (3, 100, 300), (5, 16, 8), (6, 31, 7), (7, 40, 65),
+               (13, 47, 129), (16, 1024, 512), (33, 64, 80), (97, 20, 16), (130, 70, 600)]
+
+
+def assert_fp32_near(y: torch.Tensor, ref: torch.Tensor) -> None:
+    """y is fp32 of ref's shape and within fp32 accumulation of the float64 reference: relative norm error and each
+    element below 1e-5 (TOL[float32]; ~1e-7 seen)."""
+    rel = TOL[torch.float32]
+    assert y.dtype == torch.float32 and y.shape == ref.shape
+    if ref.numel():
+        assert float((y.double() - ref).norm() / ref.norm().clamp(min=1e-30)) < rel
+        torch.testing.assert_close(y.double(), ref, rtol=rel, atol=rel * float(ref.abs().max()))

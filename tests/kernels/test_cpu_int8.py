@@ -14,10 +14,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from kernel_helpers import TILE_SHAPES, TOL, assert_fp32_near
 
 from kvfleet_kernels import cpu_int8
-
-REL = 1e-5
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -35,19 +34,11 @@ def case(m: int, n: int, k: int, seed: int = 0) -> tuple[torch.Tensor, torch.Ten
 
 
 def assert_exact(y: torch.Tensor, x: torch.Tensor, q: torch.Tensor, s: torch.Tensor) -> None:
-    ref = x.double() @ (q.double() * s.double()[:, None]).T
-    assert y.dtype == torch.float32 and y.shape == ref.shape
-    if ref.numel():
-        assert float((y.double() - ref).norm() / ref.norm().clamp(min=1e-30)) < REL
-        torch.testing.assert_close(y.double(), ref, rtol=REL, atol=REL * float(ref.abs().max()))
-
-
-SHAPES = [(1, 16, 64), (1, 1, 1), (1, 17, 33), (2, 48, 100), (3, 100, 300), (5, 16, 8), (6, 31, 7), (7, 40, 65),
-          (13, 47, 129), (16, 1024, 512), (33, 64, 80), (97, 20, 16), (130, 70, 600)]
+    assert_fp32_near(y, x.double() @ (q.double() * s.double()[:, None]).T)
 
 
 @pytest.mark.parametrize("portable", [False, True], ids=["avx2-if-present", "portable"])
-@pytest.mark.parametrize(("m", "n", "k"), SHAPES)
+@pytest.mark.parametrize(("m", "n", "k"), TILE_SHAPES)
 def test_matches_the_dequantized_reference(m: int, n: int, k: int, portable: bool) -> None:
     """Row counts around the 6-row register block and the 96-row pass, N and K off every tile multiple."""
     x, q, s = case(m, n, k)
@@ -127,7 +118,7 @@ def test_quant_matmul_runs_it_for_fp32_exactly_and_keeps_one_int8_copy(rows: int
     assert mm.nbytes <= 80 * 136 + 3 * 80 * 4  # the int8 tiles (N padded to 80) and per-channel fp32 vectors
     x = torch.randn(rows, 136)
     ref = x.double() @ qw.dequantize().double().T
-    assert float((mm(x).double() - ref).norm() / ref.norm()) < REL
+    assert float((mm(x).double() - ref).norm() / ref.norm()) < TOL[torch.float32]
 
 
 FALLBACK = """
