@@ -29,7 +29,7 @@ def pack(w: torch.Tensor) -> torch.Tensor:
     """w [N, K] fp32 → [ceil(N/16), K, 16] tiles (the last zero-padded)."""
     n, k = w.shape
     pad = -n % TILE
-    return F.pad(w, (0, 0, 0, pad)).view((n + pad) // TILE, TILE, k).transpose(1, 2).contiguous()
+    return F.pad(w, (0, 0, 0, pad)).reshape((n + pad) // TILE, TILE, k).transpose(1, 2).contiguous()
 
 
 def linear(x: torch.Tensor, tiles: torch.Tensor, n: int, portable: bool = False) -> torch.Tensor:

@@ -19,7 +19,7 @@ namespace {
 // x [M, K] fp32 (rows may be strided), qp [NT, K, 16] int8, scale [NT*16] fp32, n <= 16*NT real columns.
 at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& qp, const at::Tensor& scale, int64_t n,
                        bool portable) {
-  TORCH_CHECK(qp.scalar_type() == at::kChar, "qp: int8 [NT, K, 16] tiles");
+  TORCH_CHECK(qp.dim() == 3 && qp.scalar_type() == at::kChar, "qp: int8 [NT, K, 16] tiles");
   TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.is_contiguous() && scale.numel() == qp.size(0) * kvf_tiles::NR,
               "scale: contiguous fp32 [NT*16]");
   return kvf_tiles::tiled_linear<int8_t>(x, qp, scale.const_data_ptr<float>(), n, portable);

@@ -1,5 +1,6 @@
 // What the CPU C++ ops share: the x86 AVX2 target attribute (picked at run time, no -march), the run-time check,
-// and a vector e^x. Included by cpu_attention.cpp, cpu_fused.cpp and cpu_int8.cpp; each builds its own copy.
+// and a vector e^x. Included by cpu_attention.cpp, cpu_fused.cpp and cpu_tiles.h (cpu_int8.cpp, cpu_f32.cpp); each
+// builds its own copy.
 #pragma once
 
 #include <cmath>

@@ -49,48 +49,29 @@ KVF_AVX2 inline void load16(const int8_t* p, __m256& lo, __m256& hi) {
   hi = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 8))));
 }
 
-// R rows against one tile. U independent accumulator sets over k hide the FMA latency (4 cycles, 2 pipes) when R
-// is too small to do it: U*R >= 4.
-template <class W, int R, int U>
+// R rows against one tile: one accumulator pair per row, summed over k in order. The same order for every R, so a
+// row's result does not depend on how many rows share its block or its call (a request's logits do not change with
+// what it is batched with). Few rows stream the weight from L3 or memory, which bounds them rather than the FMA
+// chain (a 64-byte k-row per 4-cycle FMA is 16 B a cycle, above this machine's bandwidth).
+template <class W, int R>
 KVF_AVX2 void rows_avx2_block(const float* x, int64_t lda, const W* wt, int64_t K, float* c) {
-  __m256 acc[U][R][2];
+  __m256 acc[R][2];
   KVF_UNROLL
-  for (int u = 0; u < U; ++u)
-    KVF_UNROLL
-    for (int r = 0; r < R; ++r) acc[u][r][0] = acc[u][r][1] = _mm256_setzero_ps();
-  int64_t k = 0;
-  for (; k + U <= K; k += U) {
-    KVF_UNROLL
-    for (int u = 0; u < U; ++u) {
-      __m256 b0, b1;
-      load16(wt + (k + u) * NR, b0, b1);
-      KVF_UNROLL
-      for (int r = 0; r < R; ++r) {
-        const __m256 a = _mm256_broadcast_ss(x + r * lda + k + u);
-        acc[u][r][0] = _mm256_fmadd_ps(a, b0, acc[u][r][0]);
-        acc[u][r][1] = _mm256_fmadd_ps(a, b1, acc[u][r][1]);
-      }
-    }
-  }
-  for (; k < K; ++k) {
+  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+  for (int64_t k = 0; k < K; ++k) {
     __m256 b0, b1;
     load16(wt + k * NR, b0, b1);
     KVF_UNROLL
     for (int r = 0; r < R; ++r) {
       const __m256 a = _mm256_broadcast_ss(x + r * lda + k);
-      acc[0][r][0] = _mm256_fmadd_ps(a, b0, acc[0][r][0]);
-      acc[0][r][1] = _mm256_fmadd_ps(a, b1, acc[0][r][1]);
+      acc[r][0] = _mm256_fmadd_ps(a, b0, acc[r][0]);
+      acc[r][1] = _mm256_fmadd_ps(a, b1, acc[r][1]);
     }
   }
   KVF_UNROLL
   for (int r = 0; r < R; ++r) {
-    KVF_UNROLL
-    for (int u = 1; u < U; ++u) {
-      acc[0][r][0] = _mm256_add_ps(acc[0][r][0], acc[u][r][0]);
-      acc[0][r][1] = _mm256_add_ps(acc[0][r][1], acc[u][r][1]);
-    }
-    _mm256_storeu_ps(c + r * NR, acc[0][r][0]);
-    _mm256_storeu_ps(c + r * NR + 8, acc[0][r][1]);
+    _mm256_storeu_ps(c + r * NR, acc[r][0]);
+    _mm256_storeu_ps(c + r * NR + 8, acc[r][1]);
   }
 }
 
@@ -100,12 +81,12 @@ KVF_AVX2 void rows_avx2(const float* x, int64_t lda, int64_t rows, const W* wt, 
     const float* xr = x + r0 * lda;
     float* cr = c + r0 * NR;
     switch (std::min(rows - r0, MR)) {
-      case 1: rows_avx2_block<W, 1, 4>(xr, lda, wt, K, cr); break;
-      case 2: rows_avx2_block<W, 2, 2>(xr, lda, wt, K, cr); break;
-      case 3: rows_avx2_block<W, 3, 2>(xr, lda, wt, K, cr); break;
-      case 4: rows_avx2_block<W, 4, 1>(xr, lda, wt, K, cr); break;
-      case 5: rows_avx2_block<W, 5, 1>(xr, lda, wt, K, cr); break;
-      default: rows_avx2_block<W, 6, 1>(xr, lda, wt, K, cr); break;
+      case 1: rows_avx2_block<W, 1>(xr, lda, wt, K, cr); break;
+      case 2: rows_avx2_block<W, 2>(xr, lda, wt, K, cr); break;
+      case 3: rows_avx2_block<W, 3>(xr, lda, wt, K, cr); break;
+      case 4: rows_avx2_block<W, 4>(xr, lda, wt, K, cr); break;
+      case 5: rows_avx2_block<W, 5>(xr, lda, wt, K, cr); break;
+      default: rows_avx2_block<W, 6>(xr, lda, wt, K, cr); break;
     }
   }
 }

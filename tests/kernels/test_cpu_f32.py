@@ -92,3 +92,14 @@ def test_bad_inputs_are_refused(bad: str, match: str) -> None:
         tiles = tiles.double()
     with pytest.raises(RuntimeError, match=match):
         cpu_f32.linear(x, tiles, 40 if bad == "n" else 20)
+
+
+def test_a_rows_result_does_not_depend_on_the_rows_beside_it() -> None:
+    """Batch invariance: every row is summed in one order whatever the block it lands in, so a request's output is
+    the same alone, in a batch of 9 or of 16 (a padded step)."""
+    x, w = case(16, 70, 129)
+    tiles = cpu_f32.pack(w)
+    whole = cpu_f32.linear(x, tiles, 70)
+    for m in (1, 2, 3, 5, 9):
+        assert torch.equal(cpu_f32.linear(x[:m], tiles, 70), whole[:m])
+    assert torch.equal(cpu_f32.linear(x[7:8], tiles, 70), whole[7:8])

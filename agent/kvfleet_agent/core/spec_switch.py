@@ -98,7 +98,9 @@ class SpecSwitch:
         if not best and off.step_s > 0 and off.rate > 0:
             # What an exploring run costs against staying off: the transition (a draft model's catch-up), and its
             # steps' shortfall in tokens (EXPLORE_RUN steps at on's rate instead of off's), spaced to the budget.
-            cost = self.transition_s.get(b, 0.0) + EXPLORE_RUN * on.step_s * max(0.0, 1.0 - on.rate / off.rate)
+            # A known transition is the run's first step whole (its catch-up and its tokens): the rest are charged.
+            steps = EXPLORE_RUN - (1 if b in self.transition_s else 0)
+            cost = self.transition_s.get(b, 0.0) + steps * on.step_s * max(0.0, 1.0 - on.rate / off.rate)
             every = max(every, math.ceil(cost / (EXPLORE_BUDGET * off.step_s)))
         at = self.explore_at.setdefault(b, every)
         if count >= at + EXPLORE_RUN:

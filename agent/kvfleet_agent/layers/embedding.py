@@ -6,8 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvfleet_agent.layers.gemm_crossover import NEVER
-from kvfleet_agent.layers.linear import SINGLE, attach_loader, can_pack, few_row_path, few_rows, linear, pack
+from kvfleet_agent.layers.linear import SINGLE, attach_loader, can_pack, linear, pack
 from kvfleet_agent.layers.tp_group import TPGroup
 from kvfleet_agent.layers.weights import CheckpointTensor
 
@@ -49,25 +48,19 @@ class ParallelLMHead(VocabParallelEmbedding):
     """Hidden states → logits over the full vocabulary (each rank computes its slice, then gather)."""
 
     packed: torch.Tensor | None = None
-    tiles: torch.Tensor | None = None  # a small head's few-row copy (linear.few_row_path)
-    few_below = NEVER
     tied = False  # the model shares this weight with its embedding table (which still reads it)
 
     def pack_weights(self) -> None:
-        """Prepack the (possibly tied) weight for the CPU fast path, with a few-row copy if it is small; an untied one
-        then keeps no dense copy unless F.linear runs its few rows."""
-        if not can_pack(self.weight):
-            return
-        self.packed = pack(self.weight)
-        self.tiles, self.few_below = few_row_path(self.weight, self.packed)
-        if not self.tied and (self.few_below == NEVER or self.tiles is not None):
+        """Prepack the (possibly tied) weight for the CPU fast path; an untied one then keeps only the packed copy.
+        No few-row path (linear.few_row_path) here: a request's logits would then depend on how many rows the head
+        ran (one sampled row in a decode, every prompt row for prompt logprobs), and echo's logprobs must equal a
+        plain completion's."""
+        self.packed = pack(self.weight) if can_pack(self.weight) else None
+        if self.packed is not None and not self.tied:
             self.weight = nn.Parameter(torch.empty_like(self.weight, device="meta"), requires_grad=False)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        if hidden.numel() < self.few_below * hidden.shape[-1]:
-            logits = few_rows(hidden, self.weight, self.tiles, None)
-        else:
-            logits = linear(hidden, self.weight, packed=self.packed)
+        logits = linear(hidden, self.weight, packed=self.packed)
         if self.tp.size == 1:
             return logits
         # Each rank's slice is padded to the common width so the gather moves equal shapes.

@@ -18,8 +18,7 @@ import torch
 
 log = logging.getLogger(__name__)
 
-# elements (4 MiB in fp32): a second copy of a weight this small costs little memory; a 4096 x 256 LM head fits
-KEEP_DENSE_MAX = 1 << 20
+KEEP_DENSE_MAX = 1 << 19  # elements (2 MiB in fp32): a second copy of a weight this small costs little memory
 ROWS = (1, 2, 4, 8, 16, 32, 64)
 NEVER = 0  # a crossover of 0 rows: the packed path always
 Run = Callable[[torch.Tensor], torch.Tensor]

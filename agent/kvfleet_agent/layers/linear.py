@@ -66,7 +66,7 @@ def few_row_path(weight: torch.Tensor, packed: torch.Tensor) -> tuple[torch.Tens
     tiles = cpu_f32.pack(weight) if keeps_copy(weight) and cpu_f32.available() else None
     rows = crossover(weight, lambda x: linear(x, weight, None, packed), lambda x: few_rows(x, weight, tiles, None),
                      "F.linear" if tiles is None else "tiles")
-    return (None, NEVER) if rows == NEVER else (tiles, rows)
+    return (None, NEVER) if rows <= 1 else (tiles, rows)  # packed from one row on: no second copy to keep
 
 
 def few_rows(x: torch.Tensor, weight: torch.Tensor, tiles: torch.Tensor | None,
@@ -167,7 +167,7 @@ class _Linear(nn.Module):
         raise NotImplementedError
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        """x·Wᵀ + b through the quantized kernel, the prepacked weight or F.linear."""
+        """x·Wᵀ + b through the quantized kernel, the prepacked weight, or below its crossover the few-row path."""
         if self.qmm is None:
             # A small weight runs its few-row path below the crossover (see gemm_crossover); NEVER is 0 rows.
             if x.numel() < self.few_below * x.shape[-1]:
