@@ -6,15 +6,15 @@ from pathlib import Path
 from typing import cast
 
 import torch
-import torch.nn.functional as F
 
+from kvfleet_kernels import cpu_tiles
 from kvfleet_kernels.cpu_ext import Extension
 
 __all__ = ["ENABLE_ENV", "NAME", "SOURCE", "TILE", "available", "linear", "pack"]
 
 SOURCE = Path(__file__).with_name("cpu_f32.cpp")
 NAME = "kvfleet_cpu_f32"  # the extension's file name and its torch.ops namespace
-TILE = 16  # output columns per packed tile (NR in cpu_tiles.h)
+TILE = cpu_tiles.TILE
 ENABLE_ENV = "KVFLEET_CPU_F32_EXT"  # "0": never build or load it (F.linear runs few rows instead)
 
 _EXT = Extension(NAME, SOURCE, ENABLE_ENV, "CPU fp32 few-row matmul kernel", "few rows run F.linear", 15)
@@ -27,9 +27,7 @@ def available() -> bool:
 
 def pack(w: torch.Tensor) -> torch.Tensor:
     """w [N, K] fp32 → [ceil(N/16), K, 16] tiles (the last zero-padded)."""
-    n, k = w.shape
-    pad = -n % TILE
-    return F.pad(w, (0, 0, 0, pad)).reshape((n + pad) // TILE, TILE, k).transpose(1, 2).contiguous()
+    return cpu_tiles.pack(w)
 
 
 def linear(x: torch.Tensor, tiles: torch.Tensor, n: int, portable: bool = False) -> torch.Tensor:

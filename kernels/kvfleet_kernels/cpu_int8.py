@@ -8,6 +8,7 @@ from typing import cast
 import torch
 import torch.nn.functional as F
 
+from kvfleet_kernels import cpu_tiles
 from kvfleet_kernels.cpu_ext import CACHE_ENV, CFLAGS, LDFLAGS, Extension
 
 __all__ = ["CACHE_ENV", "CFLAGS", "ENABLE_ENV", "LDFLAGS", "NAME", "SOURCE", "TILE", "available", "build_dir",
@@ -15,7 +16,7 @@ __all__ = ["CACHE_ENV", "CFLAGS", "ENABLE_ENV", "LDFLAGS", "NAME", "SOURCE", "TI
 
 SOURCE = Path(__file__).with_name("cpu_int8.cpp")
 NAME = "kvfleet_cpu_int8"  # the extension's file name and its torch.ops namespace
-TILE = 16  # output columns per packed tile (NR in the source)
+TILE = cpu_tiles.TILE
 ENABLE_ENV = "KVFLEET_CPU_INT8_EXT"  # "0": never build or load it (PyTorch's kernels run instead)
 
 _EXT = Extension(NAME, SOURCE, ENABLE_ENV, "CPU INT8 matmul kernel", "INT8 weights run PyTorch's kernels", 15)
@@ -33,9 +34,8 @@ def available() -> bool:
 
 def pack(q: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(q [N, K] int8, scale [N]) → ([ceil(N/16), K, 16] int8 tiles, scale zero-padded to a whole tile)."""
-    n, k = q.shape
-    pad = -n % TILE
-    tiles = F.pad(q, (0, 0, 0, pad)).view((n + pad) // TILE, TILE, k).transpose(1, 2).contiguous()
+    tiles = cpu_tiles.pack(q)
+    pad = tiles.shape[0] * TILE - q.shape[0]
     return tiles, F.pad(scale.to(torch.float32).reshape(-1), (0, pad)).contiguous()
 
 
