@@ -9,8 +9,9 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from kvfleet_agent import LLM
+from kvfleet_agent import LLM, SamplingParams
 from kvfleet_agent.layers import gemm_crossover
+from kvfleet_agent.layers import linear as linear_module
 from kvfleet_agent.layers.gemm_crossover import KEEP_DENSE_MAX, NEVER
 from kvfleet_agent.layers.linear import (
     ColumnParallelLinear,
@@ -18,6 +19,7 @@ from kvfleet_agent.layers.linear import (
     RowParallelLinear,
     can_pack,
     linear,
+    native_bf16,
     pack,
 )
 from kvfleet_agent.layers.tp_group import TPGroup
@@ -49,13 +51,38 @@ def test_packed_linear_takes_a_strided_input() -> None:
     torch.testing.assert_close(linear(x, w, packed=pack(w)), x @ w.t(), atol=1e-4, rtol=1e-5)
 
 
-def test_loaded_fp32_model_uses_packed_weights_and_bf16_does_not(tiny_checkpoint: Callable[..., str]) -> None:
+def test_loaded_fp32_model_uses_packed_weights_and_bf16_only_where_native(tiny_checkpoint: Callable[..., str]) -> None:
     path = tiny_checkpoint("qwen2")
     model = LLM(model=path, dtype="float32").engine.runner.model
     linears = [m for m in model.modules() if hasattr(m, "pack_weights")]
     assert linears and all(getattr(m, "packed", None) is not None for m in linears)
     model16 = LLM(model=path, dtype="bfloat16").engine.runner.model
-    assert all(getattr(m, "packed", None) is None for m in model16.modules() if hasattr(m, "pack_weights"))
+    packed16 = [getattr(m, "packed", None) is not None for m in model16.modules() if hasattr(m, "pack_weights")]
+    assert packed16 and all(p == native_bf16() for p in packed16)
+
+
+@pytest.mark.skipif(not native_bf16(), reason="this CPU has no native bfloat16 matmul (AMX or AVX512-BF16)")
+@pytest.mark.parametrize("rows", [1, 5, 64, 300])
+def test_packed_bf16_linear_equals_f_linear_bit_for_bit(rows: int) -> None:
+    g = torch.Generator().manual_seed(rows)
+    x, w = torch.randn(rows, 256, generator=g).bfloat16(), torch.randn(200, 256, generator=g).bfloat16()
+    b = torch.randn(200, generator=g).bfloat16()
+    got = linear(x, w, b, packed=pack(w))
+    assert got.dtype == torch.bfloat16
+    assert torch.equal(got, torch.nn.functional.linear(x, w, b))
+
+
+@pytest.mark.skipif(not native_bf16(), reason="this CPU has no native bfloat16 matmul (AMX or AVX512-BF16)")
+def test_a_bf16_model_generates_the_same_tokens_packed_and_unpacked(tiny_checkpoint: Callable[..., str],
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    path = tiny_checkpoint("llama")
+    prompts = [{"prompt_token_ids": [3 + i, 17, 40 + 2 * i, 9]} for i in range(4)]
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    packed = [o.outputs[0].token_ids for o in LLM(model=path, dtype="bfloat16").generate(prompts, params)]
+    monkeypatch.setattr(linear_module, "native_bf16", lambda: False)
+    plain_llm = LLM(model=path, dtype="bfloat16")
+    assert all(getattr(m, "packed", None) is None for m in plain_llm.engine.runner.model.modules())
+    assert packed == [o.outputs[0].token_ids for o in plain_llm.generate(prompts, params)]
 
 
 def _rank_model(path: str, rank: int, size: int) -> tuple[torch.nn.Module, dict[str, torch.Tensor]]:

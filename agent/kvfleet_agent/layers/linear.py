@@ -9,6 +9,7 @@ rank's rows or columns from the checkpoint. With a group of one these are plain 
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable, Sequence
 
@@ -39,11 +40,22 @@ log = logging.getLogger(__name__)  # the default group: one rank, collectives ar
 PACK_FOR_ROWS = 64  # the batch size the blocked layout is tuned for; any M runs on it
 
 
+# bfloat16 packs too where the CPU multiplies it natively (AMX or AVX512-BF16): F.linear then reorders the weight into
+# oneDNN's layout on every call, which the packed copy does once (Intel Xeon with AMX, 2 threads: 1.3-3x at 4-256 rows
+# on the tiny and med models' shapes, bit-identical results; see BENCHMARKS.md). Elsewhere bf16 stays on F.linear.
 def can_pack(weight: torch.Tensor) -> bool:
-    """Whether this weight can use the prepacked oneDNN path (fp32 on a CPU build with oneDNN)."""
-    return (weight.device.type == "cpu" and weight.dtype == torch.float32
-            and torch.backends.mkldnn.is_available()  # type: ignore[no-untyped-call]
-            and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
+    """Whether this weight can use the prepacked oneDNN path: fp32, or bf16 where the CPU multiplies it natively."""
+    if weight.device.type != "cpu" or not torch.backends.mkldnn.is_available():  # type: ignore[no-untyped-call]
+        return False
+    if not hasattr(torch.ops.mkldnn, "_reorder_linear_weight"):
+        return False
+    return weight.dtype == torch.float32 or (weight.dtype == torch.bfloat16 and native_bf16())
+
+
+@functools.cache
+def native_bf16() -> bool:
+    """Whether this CPU multiplies bfloat16 natively (AMX or AVX512-BF16, as worker.device decides the dtype)."""
+    return bool(torch.cpu._is_amx_tile_supported() or torch.cpu._is_avx512_bf16_supported())
 
 
 def pack(weight: torch.Tensor) -> torch.Tensor:
@@ -63,7 +75,8 @@ def few_row_path(weight: torch.Tensor, packed: torch.Tensor) -> tuple[torch.Tens
     """A packed weight's few-row copy and the rows below which it runs (see gemm_crossover): kvfleet_kernels.cpu_f32's
     tiles where that kernel builds, else F.linear on the dense weight (None); NEVER rows for a weight too large to
     keep a second copy of. The dense weight can go unless the result is (None, rows > 0)."""
-    tiles = cpu_f32.pack(weight) if keeps_copy(weight) and cpu_f32.available() else None
+    fp32_tiles = weight.dtype == torch.float32 and keeps_copy(weight) and cpu_f32.available()
+    tiles = cpu_f32.pack(weight) if fp32_tiles else None
     rows = crossover(weight, lambda x: linear(x, weight, None, packed), lambda x: few_rows(x, weight, tiles, None),
                      "F.linear" if tiles is None else "tiles")
     return (None, NEVER) if rows <= 1 else (tiles, rows)  # packed from one row on: no second copy to keep
