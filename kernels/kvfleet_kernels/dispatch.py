@@ -4,6 +4,7 @@ Decode attention on CPU runs cpu_attention's C++ kernel instead where it is buil
 reads the cache in place; the reference gathers a padded copy first), KVFLEET_CPU_ATTENTION_EXT=0 to turn it off.
 RMSNorm, rotary and SwiGLU's activation on CPU run cpu_fused's one-pass C++ ops likewise (a decode step of a small
 model is mostly the per-op cost of their several PyTorch ops each), KVFLEET_CPU_FUSED_EXT=0 to turn them off.
+Greedy sampling's row argmax on CPU runs cpu_argmax's one pass, KVFLEET_CPU_ARGMAX_EXT=0 to turn it off.
 """
 
 import importlib
@@ -14,9 +15,9 @@ from typing import cast
 
 import torch
 
-from kvfleet_kernels import cpu_attention, cpu_fused, reference
+from kvfleet_kernels import cpu_argmax, cpu_attention, cpu_fused, reference
 
-__all__ = ["FORCE_ENV", "add_rms_norm", "backend", "causal_attention", "interpreting", "kernel_module",
+__all__ = ["FORCE_ENV", "add_rms_norm", "argmax", "backend", "causal_attention", "interpreting", "kernel_module",
            "paged_decode_attention", "paged_prefill_attention", "planned_decode_attention", "rms_norm", "rotary",
            "silu_and_mul",
            "write_kv"]
@@ -89,6 +90,14 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     if backend(gate_up) == "reference" and cpu_fused.supports(gate_up):
         return cpu_fused.silu_and_mul(gate_up)
     return reference.silu_and_mul(gate_up)
+
+
+def argmax(logits: torch.Tensor) -> torch.Tensor:
+    """Each row's argmax, logits [N, V] → int64 [N]: cpu_argmax's one pass on CPU (torch's reduction is 10-20x
+    slower there), torch.argmax elsewhere."""
+    if cpu_argmax.supports(logits):
+        return cpu_argmax.argmax(logits)
+    return logits.argmax(dim=-1)
 
 
 # The k_scale / v_scale arguments: [N, bs, KVH] float32 beside an int8 or fp8 cache (kv_quant.py), else None.

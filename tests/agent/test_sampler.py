@@ -8,6 +8,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kvfleet_agent.core.scheduler_output import TokenHistory
 from kvfleet_agent.sampling_params import SamplingParams
 from kvfleet_agent.worker.sampler import Sampler, _cut
 
@@ -132,3 +133,19 @@ def test_seeded_rows_draw_from_their_own_generators() -> None:
 def test_top_k_beyond_the_vocabulary_cuts_nothing() -> None:
     logits = torch.randn(2, 50, generator=torch.Generator().manual_seed(3))
     torch.testing.assert_close(_cut(logits, [2**63, 10**6], [1.0, 1.0]), logits)
+
+
+def test_bfloat16_logits_sample_as_their_float32_values() -> None:
+    """Greedy rows take the argmax of the model's own bf16 logits; everything else runs in float32: the tokens and
+    logprobs are those of the same logits given in float32, row by row, with processed and random rows beside."""
+    logits16 = (torch.randn(5, 300, generator=torch.Generator().manual_seed(11)) * 3).bfloat16()
+    logits16[0, [17, 201]] = logits16[0].max() + 1  # a tie: the first index
+    params = [SamplingParams(temperature=0.0, logprobs=3), SamplingParams(temperature=0.0),
+              SamplingParams(seed=4, top_k=20), SamplingParams(temperature=0.0, repetition_penalty=1.3),
+              SamplingParams(seed=9, logprobs=2)]
+    histories = [None, None, None, TokenHistory([17, 40, 201, 5], 3, frozenset()), None]
+    ids = [f"r{i}" for i in range(5)]
+    got = Sampler(0, torch.device("cpu")).sample(logits16, ids, params, histories)
+    want = Sampler(0, torch.device("cpu")).sample(logits16.float(), ids, params, histories)
+    assert got == want
+    assert got[0][0] == 17 and got[0][1] == int(logits16[1].float().argmax())

@@ -22,6 +22,7 @@ from kvfleet_agent.spec_config import SpeculativeConfig
 from kvfleet_agent.worker.draft_slots import DraftSlots
 from kvfleet_agent.worker.sampler import Sampler, sampling_probs
 from kvfleet_agent.worker.step_batch import StepBatch, StepInputs, plan_batch
+from kvfleet_kernels.dispatch import argmax
 
 log = logging.getLogger(__name__)
 
@@ -246,7 +247,7 @@ class DraftModel:
     def _pick(self, logits: torch.Tensor, rows: list[_Row]) -> torch.Tensor:
         """Each row's proposal: the argmax for greedy requests; for random ones a draw from the draft's distribution
         under the request's own sampling params (what verification compares with the target's), by its generator."""
-        tokens = logits.argmax(dim=-1)
+        tokens = argmax(logits)
         rand = [i for i, r in enumerate(rows) if not r.params.greedy]
         if rand:
             idx = torch.tensor(rand, device=logits.device)

@@ -12,6 +12,7 @@ from kvfleet_agent.outputs import Logprob
 from kvfleet_agent.sampling_params import SamplingParams
 from kvfleet_agent.worker.grammar_masks import GrammarMasks
 from kvfleet_agent.worker.logits_processing import process_logits
+from kvfleet_kernels.dispatch import argmax
 
 
 class Sampler:
@@ -37,20 +38,24 @@ class Sampler:
         histories: each row's tokens so far, needed by the rows whose params process logits (penalties,
         min_tokens) or follow a grammar. Rows without either take the same path as before they existed.
         """
-        logits = raw = logits.float()
+        # Greedy rows read the logits in the model's dtype (float32 holds every bfloat16 exactly, so the argmax is
+        # the same); the rest of the work is float32, made only for the rows and cases that need it.
+        raw = logits
         processed = [i for i, p in enumerate(params) if p.processes_logits]
-        hist = histories or [None] * len(params)
-        if processed:  # the slow path, on the processed rows only; logprobs stay those of the model
-            logits = process_logits(logits.clone(), processed, params, hist)
         constrained = [i for i, p in enumerate(params) if p.structured_outputs is not None]
+        hist = histories or [None] * len(params)
+        if processed or constrained:
+            logits = logits.float()
+        if processed:  # the slow path, on the processed rows only; logprobs stay those of the model
+            logits = process_logits(logits.clone() if logits is raw else logits, processed, params, hist)
         if constrained:  # masked after processing (as vLLM), on the constrained rows only
             logits = self.grammars.apply(logits.clone() if logits is raw else logits, constrained, request_ids,
                                          params, hist)
-        tokens = logits.argmax(dim=-1)
+        tokens = argmax(logits)
         random_rows = [i for i, p in enumerate(params) if not p.greedy]
         if random_rows:
             rows = torch.tensor(random_rows, device=logits.device)
-            picked = self._sample_random(logits[rows], [request_ids[i] for i in random_rows],
+            picked = self._sample_random(logits[rows].float(), [request_ids[i] for i in random_rows],
                                          [params[i] for i in random_rows])
             tokens[rows] = picked
         token_list: list[int] = tokens.tolist()
@@ -58,7 +63,7 @@ class Sampler:
         wanted = [i for i, p in enumerate(params) if p.logprobs is not None]
         if wanted:
             # Log-probabilities of the model's own distribution, before temperature and cuts (as vLLM).
-            lp = torch.log_softmax(raw[wanted], dim=-1)
+            lp = torch.log_softmax(raw[wanted].float(), dim=-1)
             for row, i in enumerate(wanted):
                 k = min(params[i].logprobs or 0, lp.shape[-1])
                 top = torch.topk(lp[row], k) if k else None

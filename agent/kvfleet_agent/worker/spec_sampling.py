@@ -8,6 +8,7 @@ import torch
 
 from kvfleet_agent.sampling_params import SamplingParams
 from kvfleet_agent.worker.sampler import sampling_probs
+from kvfleet_kernels.dispatch import argmax
 
 # Leviathan et al. 2023 / Chen et al. 2023. At each draft position i the target distribution p_i (what the plain
 # Sampler would draw from) and the draft distribution q_i are compared: draft token d is kept with probability
@@ -56,7 +57,7 @@ def verify_batch(logits: torch.Tensor, drafts: Sequence[Sequence[int]], params: 
     greedy = [i for i, p in enumerate(params) if p.greedy]
     if greedy:
         # One argmax over every row (random requests' rows too: cheaper than gathering) and one host transfer.
-        best: list[int] = logits.argmax(dim=-1).tolist()
+        best: list[int] = argmax(logits).tolist()
         for i in greedy:
             k = len(drafts[i])
             out[i] = _greedy_chain(best[starts[i]:starts[i] + k + 1], drafts[i])
