@@ -29,8 +29,17 @@ from kvfleet_agent.worker.kv_budget import cpu_kv_budget, kv_budget_from_profile
 from kvfleet_agent.worker.sampler import PromptLogprobs, Sampler, StepResult, prompt_logprobs
 from kvfleet_agent.worker.spec_sampling import verify_batch
 from kvfleet_agent.worker.startup_phases import StartupPhases
-from kvfleet_agent.worker.step_batch import StepBatch, StepInputs, plan_batch, profile_batch, step_inputs, warmup_steps
-from kvfleet_kernels import dispatch, kv_quant
+from kvfleet_agent.worker.step_batch import (
+    DECODE_GROUP,
+    ONE_GROUP,
+    StepBatch,
+    StepInputs,
+    plan_batch,
+    profile_batch,
+    step_inputs,
+    warmup_steps,
+)
+from kvfleet_kernels import cpu_attention, dispatch, kv_quant
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +59,9 @@ class ModelRunner:
             torch.set_num_threads(config.num_threads)
         self.dtype = resolve_dtype(config, model_cfg, self.device)
         self.kv_dtype = kv_quant.CACHE_DTYPES.get(config.kv_cache_dtype, self.dtype)
+        in_place = (self.device.type == "cpu" and self.kv_dtype in cpu_attention.CACHE_DTYPES
+                    and self.dtype in cpu_attention.QUERY_DTYPES and cpu_attention.available())
+        self.decode_group = ONE_GROUP if in_place else DECODE_GROUP  # decode rows per attention call
         self.block_size = config.block_size
         self.max_model_len = max_model_len
         self.startup = StartupPhases(f"rank {self.tp.rank}" if self.tp.size > 1 else "")
@@ -318,4 +330,4 @@ class ModelRunner:
 
     def step_inputs(self, batch: StepBatch) -> StepInputs:
         """The batch's model inputs on this rank's device (any model's: the draft's pool has the same blocks)."""
-        return step_inputs(batch, self.device, self.block_size)
+        return step_inputs(batch, self.device, self.block_size, self.decode_group)

@@ -18,7 +18,11 @@ from kvfleet_kernels.plan import decode_plan
 PromptSpan = tuple[str, int, list[int], int]  # (request, position of the first target, targets, top-k)
 # A step's model inputs on the device: token ids, positions, sample rows, attention metadata.
 StepInputs = tuple[torch.Tensor, torch.Tensor, torch.Tensor, AttentionMetadata]
-DECODE_GROUP = 16  # decode rows per attention call; measured best on CPU (gathered K/V stays in cache)
+DECODE_GROUP = 16  # decode rows per attention call for the gathering reference (its copy stays in cache)
+# With cpu_attention's kernel, which reads the cache in place, one call takes every decode row: 4 calls of 16 rows
+# cost 1.3-1.4x one of 64 (Xeon with AMX, 2 threads, 40-380-token contexts; each call converts q and its output and
+# wakes the thread pool).
+ONE_GROUP = 1 << 30
 
 
 @dataclass(slots=True)
@@ -142,7 +146,8 @@ def profile_batch(num_tokens: int, max_num_seqs: int, max_model_len: int) -> Ste
                      (starts + lens - 1).astype(np.int64))
 
 
-def step_inputs(batch: StepBatch, device: torch.device, block_size: int) -> StepInputs:
+def step_inputs(batch: StepBatch, device: torch.device, block_size: int,
+                decode_group: int = DECODE_GROUP) -> StepInputs:
     """The batch on the device, for an eager forward: token ids, positions, sample rows and attention metadata.
 
     The metadata depends on the pool's layout alone (block size, tables, slots), not on the model, so a draft model
@@ -154,7 +159,7 @@ def step_inputs(batch: StepBatch, device: torch.device, block_size: int) -> Step
     ids, positions, slots, rows, tables, seq_lens, *prefill_tables = to_device(arrays, device)
     meta = AttentionMetadata(
         slot_mapping=slots,
-        decode_groups=_decode_groups(tables, seq_lens, batch.positions[:nd], block_size),
+        decode_groups=_decode_groups(tables, seq_lens, batch.positions[:nd], block_size, decode_group),
         prefills=[PrefillSpan(s, n, ctx, t) for (s, n, ctx, _), t in zip(batch.prefills, prefill_tables,
                                                                          strict=True)],
     )
@@ -162,14 +167,14 @@ def step_inputs(batch: StepBatch, device: torch.device, block_size: int) -> Step
 
 
 def _decode_groups(tables: torch.Tensor, seq_lens: torch.Tensor, positions: np.ndarray,
-                   block_size: int) -> list[DecodeGroup]:
-    """Split the (length-sorted) decode rows into groups and plan each group's gather once.
+                   block_size: int, group: int) -> list[DecodeGroup]:
+    """Split the (length-sorted) decode rows into groups of `group` rows and plan each group's gather once.
 
     Each group's longest context comes from the host copy of the positions: no device read.
     """
     groups = []
-    for start in range(0, len(positions), DECODE_GROUP):
-        end = min(start + DECODE_GROUP, len(positions))
+    for start in range(0, len(positions), group):
+        end = min(start + group, len(positions))
         # Rows are sorted by their chunk's start: a verification's later rows may outrun the next chunk's.
         flat, valid = decode_plan(tables[start:end], seq_lens[start:end], block_size,
                                   int(positions[start:end].max()) + 1)
