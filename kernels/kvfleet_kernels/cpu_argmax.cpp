@@ -27,12 +27,7 @@ constexpr int64_t SERIAL = 65536;  // elements: a call this small stays on the c
 constexpr int64_t GRAIN = 32768;
 
 inline float load1(const float* p) { return *p; }
-inline float load1(const bf16* p) {
-  const uint32_t bits = static_cast<uint32_t>(*p) << 16;
-  float f;
-  std::memcpy(&f, &bits, sizeof(f));
-  return f;
-}
+inline float load1(const bf16* p) { return bf16_to_float(*p); }
 
 template <typename T>
 int64_t first_nan(const T* row, int64_t n) {
@@ -54,10 +49,7 @@ int64_t argmax_portable(const T* row, int64_t n, int64_t from = 0, float best = 
 
 #ifdef KVF_X86
 KVF_AVX2 inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
-KVF_AVX2 inline __m256 load8(const bf16* p) {
-  const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
-}
+KVF_AVX2 inline __m256 load8(const bf16* p) { return bf16x8_to_float(p); }
 
 template <typename T>
 KVF_AVX2 int64_t argmax_avx2(const T* row, int64_t n) {

@@ -47,12 +47,7 @@ const std::array<float, 256> kFp8 = [] {
 
 // Cache elements by storage type: float, uint16_t (bfloat16 bits), int8_t, uint8_t (fp8 bits).
 inline float load1(const float* p) { return *p; }
-inline float load1(const uint16_t* p) {
-  const uint32_t bits = static_cast<uint32_t>(*p) << 16;
-  float f;
-  std::memcpy(&f, &bits, sizeof(f));
-  return f;
-}
+inline float load1(const uint16_t* p) { return bf16_to_float(*p); }
 inline float load1(const int8_t* p) { return static_cast<float>(*p); }
 inline float load1(const uint8_t* p) { return kFp8[*p]; }
 
@@ -99,10 +94,7 @@ struct Portable {
 
 #ifdef KVF_X86
 KVF_AVX2 inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
-KVF_AVX2 inline __m256 load8(const uint16_t* p) {
-  const __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
-}
+KVF_AVX2 inline __m256 load8(const uint16_t* p) { return bf16x8_to_float(p); }
 KVF_AVX2 inline __m256 load8(const int8_t* p) {
   return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
 }

@@ -34,12 +34,7 @@ constexpr int64_t SERIAL = 32768;
 constexpr int64_t GRAIN = 16384;
 
 inline float load1(const float* p) { return *p; }
-inline float load1(const bf16* p) {
-  const uint32_t bits = static_cast<uint32_t>(*p) << 16;
-  float f;
-  std::memcpy(&f, &bits, sizeof(f));
-  return f;
-}
+inline float load1(const bf16* p) { return bf16_to_float(*p); }
 inline bf16 to_bf16(float f) {  // round to nearest even, NaN to the quiet NaN: c10::BFloat16's conversion
   if (std::isnan(f)) return 0x7FC0;
   uint32_t u;
@@ -114,10 +109,7 @@ void silu_mul_row(const T* g, const T* u, T* o, int64_t n) { silu_mul_row_from(g
 
 #ifdef KVF_X86
 KVF_AVX2 inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
-KVF_AVX2 inline __m256 load8(const bf16* p) {
-  const __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
-}
+KVF_AVX2 inline __m256 load8(const bf16* p) { return bf16x8_to_float(p); }
 // Each lane's bf16 bits (in its low half), rounded as to_bf16 does.
 KVF_AVX2 inline __m256i bf16_bits(__m256 v) {
   const __m256i u = _mm256_castps_si256(v);

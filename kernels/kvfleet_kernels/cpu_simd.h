@@ -1,9 +1,19 @@
 // What the CPU C++ ops share: the x86 AVX2 target attribute (picked at run time, no -march), the run-time check,
-// and a vector e^x. Included by cpu_attention.cpp, cpu_fused.cpp and cpu_tiles.h (cpu_int8.cpp, cpu_f32.cpp); each
-// builds its own copy.
+// bfloat16 to float32, and a vector e^x. Included by cpu_attention.cpp, cpu_fused.cpp, cpu_argmax.cpp and cpu_tiles.h
+// (cpu_int8.cpp, cpu_f32.cpp); each builds its own copy.
 #pragma once
 
 #include <cmath>
+#include <cstdint>
+#include <cstring>
+
+// A bfloat16 (its bits, the upper half of a float's) as that float: exact.
+inline float bf16_to_float(uint16_t b) {
+  const uint32_t bits = static_cast<uint32_t>(b) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof(f));
+  return f;
+}
 
 #if defined(__x86_64__) || defined(_M_X64)
 #include <immintrin.h>
@@ -11,6 +21,12 @@
 #define KVF_AVX2 __attribute__((target("avx2,fma")))
 // Fully unrolled before scalar replacement, or GCC keeps the accumulator arrays in memory (a store per FMA).
 #define KVF_UNROLL _Pragma("GCC unroll 16")
+
+// 8 bfloat16s (bits) as 8 floats: exact.
+KVF_AVX2 static inline __m256 bf16x8_to_float(const uint16_t* p) {
+  const __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
+}
 
 // Whether this CPU runs the AVX2 + FMA paths (checked once).
 static inline bool has_avx2() {

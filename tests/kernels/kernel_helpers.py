@@ -9,6 +9,7 @@ import pickle
 import subprocess
 import sys
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -184,3 +185,20 @@ def assert_fp32_near(y: torch.Tensor, ref: torch.Tensor) -> None:
     if ref.numel():
         assert float((y.double() - ref).norm() / ref.norm().clamp(min=1e-30)) < rel
         torch.testing.assert_close(y.double(), ref, rtol=rel, atol=rel * float(ref.abs().max()))
+
+
+def assert_fallback_runs(script: str, why: str, tmp_path: Path, enable_env: str, name: str) -> None:
+    """A C++ op's fallback, in a fresh process: `script` (which prints "fallback ok") runs without a compiler (why
+    "no-compiler") or with the op turned off by `enable_env` ("disabled"), says why only in the first case, and
+    builds nothing into the cache at tmp_path (no `name`-* folder)."""
+    env = {**os.environ, "KVFLEET_EXT_CACHE": str(tmp_path)}
+    if why == "no-compiler":
+        env["CXX"] = str(tmp_path / "no-such-compiler")
+    else:
+        env[enable_env] = "0"
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120,
+                          check=False)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split() == ["fallback", "ok"]
+    assert ("no C++ compiler" in done.stderr) == (why == "no-compiler")
+    assert not any(tmp_path.glob(f"{name}-*")), "nothing is built"

@@ -4,13 +4,11 @@ from __future__ import annotations
 
 import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
-from kernel_helpers import gen
+from kernel_helpers import assert_fallback_runs, gen
 
 from kvfleet_kernels import cpu_argmax, dispatch
 
@@ -102,13 +100,4 @@ print("fallback ok")
 
 @pytest.mark.parametrize("why", ["no-compiler", "disabled"])
 def test_without_the_kernel_torch_argmax_runs(why: str, tmp_path: Path) -> None:
-    env = {**os.environ, "KVFLEET_EXT_CACHE": str(tmp_path)}
-    if why == "no-compiler":
-        env["CXX"] = str(tmp_path / "no-such-compiler")
-    else:
-        env[cpu_argmax.ENABLE_ENV] = "0"
-    done = subprocess.run([sys.executable, "-c", FALLBACK], env=env, capture_output=True, text=True, timeout=120,
-                          check=False)
-    assert done.returncode == 0, done.stderr[-2000:]
-    assert "fallback ok" in done.stdout
-    assert not any(tmp_path.glob("kvfleet_cpu_argmax-*/*.so"))
+    assert_fallback_runs(FALLBACK, why, tmp_path, cpu_argmax.ENABLE_ENV, cpu_argmax.NAME)

@@ -8,13 +8,11 @@ from __future__ import annotations
 
 import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
-from kernel_helpers import REL_TOL, assert_matches, gen, paged_pool, rel_err, strided_heads
+from kernel_helpers import REL_TOL, assert_fallback_runs, assert_matches, gen, paged_pool, rel_err, strided_heads
 
 from kvfleet_kernels import cpu_attention, dispatch, kv_quant, reference
 from kvfleet_kernels.plan import decode_plan
@@ -207,14 +205,4 @@ print("fallback ok")
 
 @pytest.mark.parametrize("why", ["no-compiler", "disabled"])
 def test_without_the_kernel_decode_runs_the_reference(why: str, tmp_path: Path) -> None:
-    env = {**os.environ, "KVFLEET_EXT_CACHE": str(tmp_path)}
-    if why == "no-compiler":
-        env["CXX"] = str(tmp_path / "no-such-compiler")
-    else:
-        env[cpu_attention.ENABLE_ENV] = "0"
-    done = subprocess.run([sys.executable, "-c", FALLBACK], env=env, capture_output=True, text=True, timeout=120,
-                          check=False)
-    assert done.returncode == 0, done.stderr[-2000:]
-    assert done.stdout.split() == ["fallback", "ok"]
-    assert ("no C++ compiler" in done.stderr) == (why == "no-compiler")
-    assert not any(tmp_path.glob("kvfleet_cpu_attention-*")), "nothing is built without a compiler"
+    assert_fallback_runs(FALLBACK, why, tmp_path, cpu_attention.ENABLE_ENV, cpu_attention.NAME)

@@ -10,14 +10,12 @@ from __future__ import annotations
 
 import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
-from kernel_helpers import assert_matches, gen, randn
+from kernel_helpers import assert_fallback_runs, assert_matches, gen, randn
 
 from kvfleet_kernels import cpu_fused, reference
 
@@ -297,14 +295,4 @@ print("fallback ok")
 
 @pytest.mark.parametrize("why", ["no-compiler", "disabled"])
 def test_without_the_kernels_nothing_is_built(why: str, tmp_path: Path) -> None:
-    env = {**os.environ, "KVFLEET_EXT_CACHE": str(tmp_path)}
-    if why == "no-compiler":
-        env["CXX"] = str(tmp_path / "no-such-compiler")
-    else:
-        env[cpu_fused.ENABLE_ENV] = "0"
-    done = subprocess.run([sys.executable, "-c", FALLBACK], env=env, capture_output=True, text=True, timeout=120,
-                          check=False)
-    assert done.returncode == 0, done.stderr[-2000:]
-    assert done.stdout.split() == ["fallback", "ok"]
-    assert ("no C++ compiler" in done.stderr) == (why == "no-compiler")
-    assert not any(tmp_path.glob("kvfleet_cpu_fused-*")), "nothing is built"
+    assert_fallback_runs(FALLBACK, why, tmp_path, cpu_fused.ENABLE_ENV, cpu_fused.NAME)

@@ -8,13 +8,11 @@ from __future__ import annotations
 
 import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
-from kernel_helpers import TILE_SHAPES, TOL, assert_fp32_near
+from kernel_helpers import TILE_SHAPES, TOL, assert_fallback_runs, assert_fp32_near
 
 from kvfleet_kernels import cpu_int8
 
@@ -139,14 +137,4 @@ print("fallback ok")
 
 @pytest.mark.parametrize("why", ["no-compiler", "disabled"])
 def test_without_the_kernel_int8_weights_take_pytorchs(why: str, tmp_path: Path) -> None:
-    env = {**os.environ, cpu_int8.CACHE_ENV: str(tmp_path)}
-    if why == "no-compiler":
-        env["CXX"] = str(tmp_path / "no-such-compiler")
-    else:
-        env[cpu_int8.ENABLE_ENV] = "0"
-    done = subprocess.run([sys.executable, "-c", FALLBACK], env=env, capture_output=True, text=True, timeout=120,
-                          check=False)
-    assert done.returncode == 0, done.stderr[-2000:]
-    assert done.stdout.split() == ["fallback", "ok"]
-    assert ("no C++ compiler" in done.stderr) == (why == "no-compiler")
-    assert not any(tmp_path.glob("kvfleet_cpu_int8-*")), "nothing is built without a compiler"
+    assert_fallback_runs(FALLBACK, why, tmp_path, cpu_int8.ENABLE_ENV, cpu_int8.NAME)
