@@ -40,7 +40,8 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
         g.add_argument(f"--no-{feature}", dest=dest, action="store_false", help=f"same as --no-enable-{feature}")
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--num-threads", type=int, default=None,
-                   help="torch threads per rank (default: all cores, divided among the ranks on CPU)")
+                   help="torch threads per rank (default on CPU: the usable cores, at most the pod's CPU "
+                        "limit, divided among the ranks)")
     g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                    help="split the model over this many devices (one worker process per extra rank)")
     g.add_argument("--enforce-eager", action="store_true",

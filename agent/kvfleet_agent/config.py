@@ -43,7 +43,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
     seed: int = 0
-    num_threads: int | None = None  # torch threads per rank; on CPU default: the cores divided among the ranks
+    num_threads: int | None = None  # torch threads per rank; CPU default: usable cores (cpu_budget) per rank
     tensor_parallel_size: int = 1
     enforce_eager: bool = False  # as vLLM: never capture CUDA graphs (decode steps launch every kernel each time)
     # vLLM's --speculative-config (JSON text, a mapping, or parsed); None: no speculation.

@@ -13,7 +13,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
-import os
 import pickle
 import signal
 import threading
@@ -31,6 +30,7 @@ from kvfleet_agent.core.scheduler_output import SchedulerOutput
 from kvfleet_agent.layers import tp_group
 from kvfleet_agent.layers.tp_group import TPGroup, start_store
 from kvfleet_agent.models.config import ModelConfig
+from kvfleet_agent.worker.cpu_budget import usable_cpus
 from kvfleet_agent.worker.device import rank_device
 from kvfleet_agent.worker.model_runner import ModelRunner
 from kvfleet_agent.worker.rank_worker import WorkerSpec, rank_stats, run_worker
@@ -103,10 +103,13 @@ class Executor:
         self._closing = threading.Event()
         self._send_lock = threading.Lock()
         threads_before = None
-        if n > 1 and rank_device(config, 0).type == "cpu" and config.num_threads is None:
-            # N ranks on one CPU share its cores: without this each would start one thread per core.
-            config = dataclasses.replace(config, num_threads=max(1, len(os.sched_getaffinity(0)) // n))
-            threads_before = torch.get_num_threads()
+        if rank_device(config, 0).type == "cpu" and config.num_threads is None:
+            # N ranks on one CPU share its cores (without this each would start one thread per core), and the
+            # cores are the pod's CPU limit where it has one, not the node's (cpu_budget).
+            per_rank = max(1, usable_cpus() // n)
+            if n > 1 or per_rank < torch.get_num_threads():
+                config = dataclasses.replace(config, num_threads=per_rank)
+                threads_before = torch.get_num_threads()
         # Runs on shutdown(), when the executor is garbage collected, or at interpreter exit.
         self._finalizer = weakref.finalize(self, _stop_workers, self.workers, self._closing, self._send_lock,
                                            restore_threads=threads_before)
