@@ -93,12 +93,14 @@ def test_a_stepped_load_scales_up_lowers_ttft_and_scales_down_after_the_window(s
     finally:
         step.wait(timeout=200)
     assert step.returncode == 0
-    decision = get_cr(f.cluster, f.namespace, f.name)["status"]["autoscaling"]["history"][0]
-    assert decision["desiredReplicas"] > decision["currentReplicas"], decision
-    assert any(p["source"] == "capacity" for p in decision["proposals"]), decision
-    assert "tokens/s" in decision["reason"], decision
+    # The capacity model drives the scale-up; a later step of it (2 -> 3) may come from the queue vote, whichever
+    # proposes more at that moment (CI on an Intel Xeon saw the newest decision from the queue alone).
+    history = get_cr(f.cluster, f.namespace, f.name)["status"]["autoscaling"]["history"]
+    grown = [h for h in history if h["desiredReplicas"] > h["currentReplicas"]]
+    assert any(any(p["source"] == "capacity" for p in h["proposals"]) and "tokens/s" in h["reason"]
+               for h in grown), history
     ups = wait_for("a ScaledUp event", lambda: events(f, "ScaledUp"), timeout=10)
-    assert "demand" in ups[0]["message"], ups
+    assert any("demand" in e["message"] for e in ups), ups
 
     # The same offered load once the new replicas serve.
     scaled = replicas(f)
