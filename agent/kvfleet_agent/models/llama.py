@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import ClassVar
+from typing import ClassVar, Protocol
 
 import torch
 from torch import nn
@@ -15,6 +15,14 @@ from kvfleet_agent.layers.rotary import RotaryEmbedding
 from kvfleet_agent.layers.tp_group import TPGroup
 from kvfleet_agent.models.config import ModelConfig
 from kvfleet_kernels import dispatch
+
+
+class DecodeStack(Protocol):
+    """The decoder stack of decode-only steps as one call (models/fused_decode.py), attached after loading."""
+
+    def applies(self, x: torch.Tensor, meta: AttentionMetadata) -> bool: ...
+
+    def __call__(self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor: ...
 
 
 class LlamaAttention(nn.Module):
@@ -105,9 +113,12 @@ class LlamaForCausalLM(nn.Module):
         if cfg.tie_word_embeddings:  # one matrix serves as both embedding and head
             self.lm_head.weight = self.embed_tokens.weight
             self.lm_head.tied = True
+        self.fused_decode: DecodeStack | None = None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
+        if self.fused_decode is not None and self.fused_decode.applies(x, meta):
+            return self.fused_decode(x, positions, meta)
         residual = None
         for layer in self.layers:
             x, residual = layer(positions, x, residual, meta)

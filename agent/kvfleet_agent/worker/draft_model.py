@@ -15,16 +15,18 @@ from kvfleet_agent.layers.attention import PagedAttention
 from kvfleet_agent.layers.linear import weight_bytes
 from kvfleet_agent.layers.tp_group import TPGroup
 from kvfleet_agent.models.config import ModelConfig
+from kvfleet_agent.models.fused_decode import FusedDecode
 from kvfleet_agent.models.llama import LlamaForCausalLM
 from kvfleet_agent.models.loader import load_weights
 from kvfleet_agent.sampling_params import SamplingParams
-from kvfleet_agent.spec_config import SpeculativeConfig
+from kvfleet_agent.spec_config import MAX_SPECULATIVE_TOKENS, SpeculativeConfig
 from kvfleet_agent.worker.draft_slots import DraftSlots
 from kvfleet_agent.worker.sampler import Sampler, sampling_probs
 from kvfleet_agent.worker.step_batch import StepBatch, StepInputs, plan_batch
 from kvfleet_kernels.dispatch import argmax
 
 log = logging.getLogger(__name__)
+CATCH_UP_ROWS = MAX_SPECULATIVE_TOKENS + 1  # the most positions one verification can leave stale (k drafts, bonus)
 
 
 def draft_config(model_dir: str, target: ModelConfig, target_dir: str, max_model_len: int) -> ModelConfig:
@@ -89,6 +91,7 @@ class DraftModel:
             pack_weights = getattr(module, "pack_weights", None)
             if callable(pack_weights):
                 pack_weights()
+        FusedDecode.attach(self.model)
         self.attn_layers = [m for m in self.model.modules() if isinstance(m, PagedAttention)]
         # Proposals of random requests and the distributions they were drawn from, for the next step's verification;
         # replaced every step, as the speculator's proposals are.
@@ -171,7 +174,9 @@ class DraftModel:
         if not rows:
             return {}
         chunks, rows = self._catch_up(rows)
-        plan, order = plan_batch(chunks, self.block_size)
+        # What a verification leaves stale is a few tokens: they run as decode rows (one call of decode attention
+        # in place, the one-call stack on CPU) rather than a prefill; a new prompt's catch-up stays a prefill.
+        plan, order = plan_batch(chunks, self.block_size, CATCH_UP_ROWS)
         ids, positions, sample_rows, meta = self.step_inputs(plan)
         hidden = self.model(ids, positions, meta)
         self.forwards = 1

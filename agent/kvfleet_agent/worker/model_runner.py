@@ -17,6 +17,7 @@ from kvfleet_agent.layers.linear import log_quantized, weight_bytes
 from kvfleet_agent.layers.quant.spec import spec_from_config
 from kvfleet_agent.layers.tp_group import TPGroup
 from kvfleet_agent.models.config import ModelConfig
+from kvfleet_agent.models.fused_decode import FusedDecode
 from kvfleet_agent.models.llama import LlamaForCausalLM
 from kvfleet_agent.models.loader import LoadReport, load_weights
 from kvfleet_agent.outputs import Logprob
@@ -76,6 +77,7 @@ class ModelRunner:
             pack_weights = getattr(module, "pack_weights", None)
             if callable(pack_weights):
                 pack_weights()
+        FusedDecode.attach(self.model)
         if self.quant is not None:
             log_quantized(self.model, self.quant.method, self.tp.rank)
             if self.quant.activation_scheme == "static" or self.quant.kv_cache_scales:

@@ -46,17 +46,24 @@ class StepBatch:
     prompt_spans: list[PromptSpan] = field(default_factory=list)
 
 
-def plan_batch(chunks: list[ScheduledChunk], block_size: int) -> tuple[StepBatch, list[ScheduledChunk]]:
+def plan_batch(chunks: list[ScheduledChunk], block_size: int,
+               rows_up_to: int = 0) -> tuple[StepBatch, list[ScheduledChunk]]:
     """The step's batch, and the chunks that sample (in the order of the batch's sample rows).
 
     A verification ([last, *draft]) runs as one decode row per token, each attending to its own prefix of the
     same block table: a layer writes every row's K/V before any row attends, so row i sees the drafts before it.
     That makes verifying k drafts cost about a decode batch of k + 1 rows (one pass over the weights, decode
-    attention reading the cache in place) instead of a prefill with its own attention call.
+    attention reading the cache in place) instead of a prefill with its own attention call. A chunk of at most
+    `rows_up_to` tokens runs so too (a draft model's catch-up: the few tokens the target accepted since it last
+    ran), sampling its last row only; longer ones, and every chunk by default, run as prefills.
     """
     bs = block_size
-    decodes = sorted((c for c in chunks if len(c.token_ids) == 1 + len(c.draft)), key=lambda c: c.start_pos)
-    prefills = [c for c in chunks if len(c.token_ids) != 1 + len(c.draft)]
+
+    def as_rows(c: ScheduledChunk) -> bool:
+        return len(c.token_ids) == 1 + len(c.draft) or len(c.token_ids) <= rows_up_to
+
+    decodes = sorted((c for c in chunks if as_rows(c)), key=lambda c: c.start_pos)
+    prefills = [c for c in chunks if not as_rows(c)]
     counts = np.fromiter((len(c.token_ids) for c in decodes), dtype=np.int64, count=len(decodes))
     nd = int(counts.sum())
     starts = np.fromiter((c.start_pos for c in decodes), dtype=np.int64, count=len(decodes))
@@ -80,8 +87,8 @@ def plan_batch(chunks: list[ScheduledChunk], block_size: int) -> tuple[StepBatch
     sample_rows: list[int] = []
     row = 0
     for c in decodes:
-        if c.sample:
-            sample_rows += range(row, row + len(c.token_ids))
+        if c.sample:  # a verification's every row; another chunk's last
+            sample_rows += range(row + len(c.token_ids) - 1 - len(c.draft), row + len(c.token_ids))
         row += len(c.token_ids)
     start = nd
     for c in prefills:

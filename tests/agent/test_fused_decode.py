@@ -1,0 +1,135 @@
+"""The one-call decode stack (models/fused_decode.py): bit for bit the layers' own path, taken where it can run."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from kvfleet_agent import LLM, SamplingParams
+from kvfleet_agent.layers.attention import AttentionMetadata, PrefillSpan
+from kvfleet_agent.models.fused_decode import FusedDecode, why_not
+from kvfleet_agent.models.llama import LlamaForCausalLM
+from kvfleet_kernels import cpu_decode
+from tests.agent.hf_llama import copy_tokenizer
+
+pytestmark = pytest.mark.skipif(not cpu_decode.available(), reason="no C++ compiler: decode steps run the modules")
+
+PROMPTS = [{"prompt_token_ids": [5 + i, 9, 30 + 7 * i, 11] * (1 + i % 4)} for i in range(6)]
+
+
+class Twin:
+    """Stands in for a model's stack: every step it takes also runs through the layers' modules first (the caches
+    restored after), and the two final hidden states must be equal bit for bit."""
+
+    def __init__(self, model: LlamaForCausalLM) -> None:
+        assert model.fused_decode is not None
+        self.model, self.fused = model, model.fused_decode
+        self.steps = self.rows = self.mismatches = 0
+        model.fused_decode = self
+
+    def applies(self, x: torch.Tensor, meta: AttentionMetadata) -> bool:
+        return self.fused.applies(x, meta)
+
+    def __call__(self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        layers = [layer.self_attn.attn for layer in self.model.layers]
+        saved = [(a.k_cache.clone(), a.v_cache.clone()) for a in layers]
+        h, residual = x, None
+        for layer in self.model.layers:
+            h, residual = layer(positions, h, residual, meta)
+        expected = self.model.norm(h, residual)[0]
+        written = [(a.k_cache.clone(), a.v_cache.clone()) for a in layers]
+        for a, (k, v) in zip(layers, saved, strict=True):
+            a.k_cache.copy_(k)
+            a.v_cache.copy_(v)
+        out = self.fused(x, positions, meta)
+        same_kv = all(torch.equal(a.k_cache, k) and torch.equal(a.v_cache, v)
+                      for a, (k, v) in zip(layers, written, strict=True))
+        self.steps += 1
+        self.rows += x.shape[0]
+        self.mismatches += int(not (torch.equal(out, expected) and same_kv))
+        return out
+
+
+def tokens(llm: LLM, params: SamplingParams, prompts: list[Any] = PROMPTS) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+
+
+def qwen3_checkpoint(out: Path, tokenizer_from: str) -> str:
+    """A 2-layer Qwen3 (per-head q/k norms) made and saved by transformers itself."""
+    import transformers
+
+    torch.manual_seed(3)
+    config = transformers.Qwen3Config(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=512,
+                                      max_position_embeddings=128, tie_word_embeddings=False)
+    model = transformers.Qwen3ForCausalLM(config)
+    with torch.no_grad():  # sharper logits: greedy choices with clear winners
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.mul_(4.0)
+    model.save_pretrained(out)
+    return copy_tokenizer(tokenizer_from, out)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral", "qwen3"])
+def test_every_decode_step_is_the_layers_bit_for_bit(arch: str, dtype: str, tiny_checkpoint: Callable[..., str],
+                                                      tmp_path: Path) -> None:
+    model = (qwen3_checkpoint(tmp_path / "qwen3", tiny_checkpoint("llama")) if arch == "qwen3"
+             else tiny_checkpoint(arch))
+    llm = LLM(model=model, dtype=dtype, max_model_len=128)
+    twin = Twin(llm.engine.runner.model)
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    fused = tokens(llm, params)
+    # 11 decode steps of 6 rows each (the prefills and their first tokens run the modules).
+    assert (twin.steps, twin.rows, twin.mismatches) == (11, 66, 0)
+    llm.engine.runner.model.fused_decode = None
+    assert tokens(llm, params) == fused
+
+
+def test_verifications_and_the_draft_model_take_it_too(tiny_checkpoint: Callable[..., str]) -> None:
+    """Speculation's steps are decode rows too (k + 1 per verification), and so are a draft model's proposals:
+    both run the op, and greedy outputs stay those of plain decoding."""
+    target, draft = tiny_checkpoint("llama"), tiny_checkpoint("llama", seed=5)
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    plain = tokens(LLM(model=target, dtype="float32", max_model_len=128), params)
+    spec = {"method": "draft_model", "model": draft, "num_speculative_tokens": 3, "adaptive": False}
+    llm = LLM(model=target, dtype="float32", max_model_len=128, speculative_config=spec)
+    runner = llm.engine.runner
+    assert runner.draft is not None
+    twin, draft_twin = Twin(runner.model), Twin(runner.draft.model)
+    assert tokens(llm, params) == plain
+    assert twin.mismatches == draft_twin.mismatches == 0
+    assert twin.rows > twin.steps * len(PROMPTS)  # verifications: several rows a request
+    assert draft_twin.steps > 0
+
+
+def test_a_step_with_a_prefill_keeps_the_modules(tiny_checkpoint: Callable[..., str]) -> None:
+    model = LLM(model=tiny_checkpoint("llama"), dtype="float32").engine.runner.model
+    fused = model.fused_decode
+    assert fused is not None
+    x = torch.zeros(3, model.cfg.hidden_size)
+    slots = torch.zeros(3, dtype=torch.long)
+    prefill = AttentionMetadata(slots, [], [PrefillSpan(0, 3, 0, torch.zeros(1, dtype=torch.long))])
+    assert not fused.applies(x, prefill)
+    assert not fused.applies(x.half(), AttentionMetadata(slots, [], []))
+
+
+def test_where_it_cannot_run_the_log_says_why(tiny_checkpoint: Callable[..., str], monkeypatch: pytest.MonkeyPatch,
+                                              caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level("INFO", logger="kvfleet_agent.models.fused_decode")
+    quantized = LLM(model=tiny_checkpoint("llama"), dtype="float32", quantization="int8").engine.runner.model
+    assert quantized.fused_decode is None
+    assert why_not(quantized) == "quantized linears"
+    assert "decode steps run the layers one op at a time: quantized linears" in caplog.text
+    half = LLM(model=tiny_checkpoint("llama"), dtype="float16").engine.runner.model
+    assert half.fused_decode is None and why_not(half) == "torch.float16 weights"
+    monkeypatch.setenv(cpu_decode.ENABLE_ENV, "0")
+    model = LLM(model=tiny_checkpoint("llama"), dtype="float32").engine.runner.model
+    assert model.fused_decode is None and cpu_decode.ENABLE_ENV in str(why_not(model))
+    monkeypatch.delenv(cpu_decode.ENABLE_ENV)
+    assert FusedDecode.attach(model) and model.fused_decode is not None
