@@ -11,6 +11,7 @@
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
 #include <optional>
@@ -144,75 +145,191 @@ void write_kv(const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Te
   }
 }
 
+// Where a group of decode rows [start, end) attends: its block tables and each row's context (seq_lens int64 [B], or
+// decode_plan's prefix mask bool [B, L]).
+struct Group {
+  int64_t start, end;
+  at::Tensor tables, lengths;
+};
+
+// The decoder stack: its layers, their caches and the final norm.
+struct Stack {
+  std::vector<Layer> layers;
+  at::TensorList k_caches, v_caches;
+  at::Tensor final_norm;
+  int64_t H, KVH, D;
+  double eps, scale;
+
+  void check(const at::Tensor& x) const {
+    const int64_t L = static_cast<int64_t>(layers.size());
+    TORCH_CHECK(x.dim() == 2 && x.device().is_cpu(), "kvfleet_cpu_decode: x must be [T, hidden] on CPU");
+    TORCH_CHECK(static_cast<int64_t>(k_caches.size()) == L && static_cast<int64_t>(v_caches.size()) == L,
+                "kvfleet_cpu_decode: one K and one V cache per layer");
+    for (int64_t l = 0; l < L; ++l)
+      TORCH_CHECK(k_caches[l].is_contiguous() && v_caches[l].is_contiguous() && k_caches[l].dim() == 4 &&
+                  k_caches[l].size(2) == KVH && k_caches[l].size(3) == D &&
+                  k_caches[l].scalar_type() == x.scalar_type() && v_caches[l].sizes() == k_caches[l].sizes() &&
+                  v_caches[l].scalar_type() == x.scalar_type(),
+                  "kvfleet_cpu_decode: layer ", l, "'s caches must be contiguous [N, bs, ", KVH, ", ", D, "] ",
+                  x.scalar_type());
+  }
+
+  // x [T, hidden] embedded decode rows, cos / sin [T, D] their rotary rows, slots [T] → the final norm's output.
+  at::Tensor run(const at::Tensor& x_in, const at::Tensor& cos, const at::Tensor& sin, const int64_t* slots,
+                 const std::vector<Group>& groups) const {
+    const int64_t T = x_in.size(0), q_size = H * D, kv_size = KVH * D;
+    const bool one_group = groups.size() == 1 && groups[0].start == 0 && groups[0].end == T;
+    at::Tensor x = x_in, residual;
+    for (size_t l = 0; l < layers.size(); ++l) {
+      const Layer& layer = layers[l];
+      if (l == 0) {
+        residual = x;
+        x = rms_norm_op().call(x, layer.in_norm, eps, false);
+      } else {
+        std::tie(x, residual) = add_rms_norm_op().call(x, residual, layer.in_norm, eps, false);
+      }
+      // Attention: packed QKV, Qwen3's head norms, rotary over q and k together, the K/V write, decode attention.
+      const at::Tensor qkv = layer.qkv(x);
+      at::Tensor qk = qkv.narrow(1, 0, q_size + kv_size).view({T, H + KVH, D});
+      if (layer.q_norm && layer.k_norm) {
+        const at::Tensor q = rms_norm_op().call(qk.narrow(1, 0, H).reshape({T * H, D}), *layer.q_norm, eps, false);
+        const at::Tensor k =
+            rms_norm_op().call(qk.narrow(1, H, KVH).reshape({T * KVH, D}), *layer.k_norm, eps, false);
+        qk = at::cat({q.view({T, H, D}), k.view({T, KVH, D})}, 1);
+      }
+      qk = rotary_op().call(qk, cos, sin, false);
+      const at::Tensor v = qkv.narrow(1, q_size + kv_size, kv_size).view({T, KVH, D});
+      write_kv(k_caches[l], v_caches[l], qk.narrow(1, H, KVH), v, slots);
+      const at::Tensor q_all = qk.narrow(1, 0, H);
+      at::Tensor attn = one_group ? at::Tensor() : at::empty({T, H, D}, x.options());
+      for (const Group& g : groups) {
+        const at::Tensor q = q_all.narrow(0, g.start, g.end - g.start);
+        const bool f32 = q.scalar_type() == at::kFloat;
+        at::Tensor out = attention_op().call(f32 ? q : q.to(at::kFloat), k_caches[l], v_caches[l],
+                                             g.tables.view({q.size(0), -1}), g.lengths, scale, std::nullopt,
+                                             std::nullopt, 0, false);
+        if (!f32) out = out.to(q.scalar_type());
+        if (one_group)
+          attn = out;
+        else
+          attn.narrow(0, g.start, g.end - g.start).copy_(out);
+      }
+      x = layer.o(attn.view({T, q_size}));
+      std::tie(x, residual) = add_rms_norm_op().call(x, residual, layer.post_norm, eps, false);
+      x = layer.down(silu_and_mul_op().call(layer.gate_up(x), false));
+    }
+    return std::get<0>(add_rms_norm_op().call(x, residual, final_norm, eps, false));
+  }
+};
+
+Stack stack_of(const c10::List<OptTensor>& tensors, at::IntArrayRef few_below, at::TensorList k_caches,
+               at::TensorList v_caches, const at::Tensor& final_norm, int64_t num_heads, int64_t num_kv_heads,
+               int64_t head_dim, double eps, double scale) {
+  return Stack{layers_of(tensors, few_below), k_caches, v_caches, final_norm, num_heads, num_kv_heads, head_dim,
+               eps, scale};
+}
+
 // x [T, hidden] (the embedded tokens), cos / sin [T, D] (each token's rows of the rotary tables); every token a
 // decode row, attending through the decode groups [starts[g], ends[g]) with their block tables and prefix masks.
 // Returns the final norm's output [T, hidden].
-at::Tensor decode_forward(const at::Tensor& x_in, const at::Tensor& cos, const at::Tensor& sin,
+at::Tensor decode_forward(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
                           const c10::List<OptTensor>& tensors, at::IntArrayRef few_below, at::TensorList k_caches,
                           at::TensorList v_caches, const at::Tensor& slot_mapping, at::IntArrayRef starts,
                           at::IntArrayRef ends, at::TensorList tables, at::TensorList valid,
                           const at::Tensor& final_norm, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
                           double eps, double scale) {
-  const std::vector<Layer> layers = layers_of(tensors, few_below);
-  const int64_t L = static_cast<int64_t>(layers.size()), T = x_in.size(0);
-  const int64_t H = num_heads, KVH = num_kv_heads, D = head_dim, q_size = H * D, kv_size = KVH * D;
-  TORCH_CHECK(x_in.dim() == 2 && x_in.device().is_cpu(), "kvfleet_cpu_decode: x must be [T, hidden] on CPU");
-  TORCH_CHECK(static_cast<int64_t>(k_caches.size()) == L && static_cast<int64_t>(v_caches.size()) == L,
-              "kvfleet_cpu_decode: one K and one V cache per layer");
+  const Stack stack = stack_of(tensors, few_below, k_caches, v_caches, final_norm, num_heads, num_kv_heads,
+                               head_dim, eps, scale);
+  stack.check(x);
+  const int64_t T = x.size(0);
   TORCH_CHECK(starts.size() == ends.size() && starts.size() == tables.size() && starts.size() == valid.size(),
               "kvfleet_cpu_decode: each decode group needs a start, an end, a table and a mask");
   TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.numel() == T, "slot_mapping: int64 [T]");
-  for (size_t g = 0; g < starts.size(); ++g)
-    TORCH_CHECK(0 <= starts[g] && starts[g] <= ends[g] && ends[g] <= T, "kvfleet_cpu_decode: group ", g, " is out of "
-                "the batch");
-  for (int64_t l = 0; l < L; ++l)
-    TORCH_CHECK(k_caches[l].is_contiguous() && v_caches[l].is_contiguous() && k_caches[l].dim() == 4 &&
-                k_caches[l].size(2) == KVH && k_caches[l].size(3) == D &&
-                k_caches[l].scalar_type() == x_in.scalar_type() && v_caches[l].sizes() == k_caches[l].sizes() &&
-                v_caches[l].scalar_type() == x_in.scalar_type(),
-                "kvfleet_cpu_decode: layer ", l, "'s caches must be contiguous [N, bs, ", KVH, ", ", D, "] ",
-                x_in.scalar_type());
-  const at::Tensor slots = slot_mapping.contiguous();
-  const bool one_group = starts.size() == 1 && starts[0] == 0 && ends[0] == T;
-  at::Tensor x = x_in, residual;
-  for (int64_t l = 0; l < L; ++l) {
-    const Layer& layer = layers[l];
-    if (l == 0) {
-      residual = x;
-      x = rms_norm_op().call(x, layer.in_norm, eps, false);
-    } else {
-      std::tie(x, residual) = add_rms_norm_op().call(x, residual, layer.in_norm, eps, false);
-    }
-    // Attention: packed QKV, Qwen3's head norms, rotary over q and k together, the K/V write, decode attention.
-    const at::Tensor qkv = layer.qkv(x);
-    at::Tensor qk = qkv.narrow(1, 0, q_size + kv_size).view({T, H + KVH, D});
-    if (layer.q_norm && layer.k_norm) {
-      const at::Tensor q = rms_norm_op().call(qk.narrow(1, 0, H).reshape({T * H, D}), *layer.q_norm, eps, false);
-      const at::Tensor k = rms_norm_op().call(qk.narrow(1, H, KVH).reshape({T * KVH, D}), *layer.k_norm, eps, false);
-      qk = at::cat({q.view({T, H, D}), k.view({T, KVH, D})}, 1);
-    }
-    qk = rotary_op().call(qk, cos, sin, false);
-    const at::Tensor v = qkv.narrow(1, q_size + kv_size, kv_size).view({T, KVH, D});
-    write_kv(k_caches[l], v_caches[l], qk.narrow(1, H, KVH), v, slots.const_data_ptr<int64_t>());
-    const at::Tensor q_all = qk.narrow(1, 0, H);
-    at::Tensor attn = one_group ? at::Tensor() : at::empty({T, H, D}, x.options());
-    for (size_t g = 0; g < starts.size(); ++g) {
-      const at::Tensor q = q_all.narrow(0, starts[g], ends[g] - starts[g]);
-      const bool f32 = q.scalar_type() == at::kFloat;
-      at::Tensor out = attention_op().call(f32 ? q : q.to(at::kFloat), k_caches[l], v_caches[l],
-                                           tables[g].view({q.size(0), -1}), valid[g], scale, std::nullopt,
-                                           std::nullopt, 0, false);
-      if (!f32) out = out.to(q.scalar_type());
-      if (one_group)
-        attn = out;
-      else
-        attn.narrow(0, starts[g], ends[g] - starts[g]).copy_(out);
-    }
-    x = layer.o(attn.view({T, q_size}));
-    std::tie(x, residual) = add_rms_norm_op().call(x, residual, layer.post_norm, eps, false);
-    x = layer.down(silu_and_mul_op().call(layer.gate_up(x), false));
+  std::vector<Group> groups;
+  for (size_t g = 0; g < starts.size(); ++g) {
+    TORCH_CHECK(0 <= starts[g] && starts[g] <= ends[g] && ends[g] <= T, "kvfleet_cpu_decode: group ", g,
+                " is out of the batch");
+    groups.push_back(Group{starts[g], ends[g], tables[g], valid[g]});
   }
-  return std::get<0>(add_rms_norm_op().call(x, residual, final_norm, eps, false));
+  const at::Tensor slots = slot_mapping.contiguous();
+  return stack.run(x, cos, sin, slots.const_data_ptr<int64_t>(), groups);
+}
+
+// Each row's argmax as the sampler takes it: cpu_argmax's op where it is loaded (torch.argmax's answer, faster).
+at::Tensor row_argmax(const at::Tensor& logits) {
+  static const std::optional<c10::OperatorHandle> op =
+      c10::Dispatcher::singleton().findSchema({"kvfleet_cpu_argmax::argmax", ""});
+  const bool fits = (logits.scalar_type() == at::kFloat || logits.scalar_type() == at::kBFloat16) &&
+                    logits.size(1) > 0 && logits.stride(1) == 1;
+  if (op && fits) return op->typed<at::Tensor(const at::Tensor&, bool)>().call(logits, false);
+  return logits.argmax(-1);
+}
+
+// A draft model's greedy proposals after its first: row i fed `first[i]` at position base[i] + 1 proposes the next
+// token, which fed at base[i] + 2 proposes the next, until counts[i] - 1 more (the first is proposal 0). Each step
+// runs the stack over the rows still proposing, the LM head (head_* as one Linear) and the row argmax, as the
+// Python loop would, without returning to it. tables [B, W] int64 block tables; cos_table / sin_table the rotary
+// tables [max_positions, D]. Returns [B, max(counts) - 1] int64, -1 past a row's count.
+at::Tensor propose_greedy(const at::Tensor& first, at::IntArrayRef base, at::IntArrayRef counts,
+                          const at::Tensor& tables_in, int64_t block_size, const at::Tensor& embed,
+                          const c10::List<OptTensor>& head, int64_t head_few_below, const at::Tensor& cos_table,
+                          const at::Tensor& sin_table, const c10::List<OptTensor>& tensors,
+                          at::IntArrayRef few_below, at::TensorList k_caches, at::TensorList v_caches,
+                          const at::Tensor& final_norm, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+                          double eps, double scale) {
+  const Stack stack = stack_of(tensors, few_below, k_caches, v_caches, final_norm, num_heads, num_kv_heads,
+                               head_dim, eps, scale);
+  const int64_t B = first.numel();
+  TORCH_CHECK(first.dim() == 1 && first.scalar_type() == at::kLong, "kvfleet_cpu_decode: first must be int64 [B]");
+  TORCH_CHECK(static_cast<int64_t>(base.size()) == B && static_cast<int64_t>(counts.size()) == B,
+              "kvfleet_cpu_decode: a base position and a count per row");
+  TORCH_CHECK(tables_in.dim() == 2 && tables_in.size(0) == B && tables_in.scalar_type() == at::kLong,
+              "kvfleet_cpu_decode: tables must be int64 [B, W]");
+  TORCH_CHECK(head.size() == 4, "kvfleet_cpu_decode: the head is (weight, packed, tiles, bias)");
+  const Linear lm_head = linear_at(head, 0, head_few_below);
+  const at::Tensor tables = tables_in.contiguous();
+  const int64_t W = tables.size(1), blocks = k_caches.empty() ? 0 : k_caches[0].size(0);
+  const int64_t* tp = tables.const_data_ptr<int64_t>();
+  const int64_t most = counts.empty() ? 1 : *std::max_element(counts.begin(), counts.end());
+  at::Tensor out = at::full({B, std::max<int64_t>(most - 1, 0)}, -1, first.options());
+  at::Tensor tokens = first;
+  std::vector<int64_t> active(B);
+  for (int64_t i = 0; i < B; ++i) active[i] = i;
+  for (int64_t j = 1; j < most; ++j) {
+    std::vector<int64_t> keep, still;  // positions in `active` that go on, and their rows
+    for (size_t a = 0; a < active.size(); ++a)
+      if (counts[active[a]] > j) {
+        keep.push_back(static_cast<int64_t>(a));
+        still.push_back(active[a]);
+      }
+    if (still.size() != active.size()) {
+      tokens = tokens.index_select(0, at::tensor(keep, first.options()));
+      active = still;
+    }
+    const int64_t n = static_cast<int64_t>(active.size());
+    std::vector<int64_t> pos(n), slots(n), lens(n);
+    at::Tensor rt = at::empty({n, W}, tables.options());
+    for (int64_t a = 0; a < n; ++a) {
+      const int64_t r = active[a];
+      pos[a] = base[r] + j;
+      const int64_t b = pos[a] / block_size;
+      TORCH_CHECK(pos[a] >= 0 && b < W, "kvfleet_cpu_decode: row ", r, "'s position ", pos[a],
+                  " is past its block table");
+      const int64_t id = tp[r * W + b];
+      TORCH_CHECK(id >= 0 && id < blocks, "kvfleet_cpu_decode: row ", r, ": block id ", id, " out of range");
+      slots[a] = id * block_size + pos[a] % block_size;
+      lens[a] = pos[a] + 1;
+      std::memcpy(rt.mutable_data_ptr<int64_t>() + a * W, tp + r * W, static_cast<size_t>(W) * sizeof(int64_t));
+    }
+    const at::Tensor positions = at::tensor(pos, first.options());
+    const at::Tensor x = at::embedding(embed, tokens);
+    stack.check(x);
+    const at::Tensor h = stack.run(x, cos_table.index_select(0, positions), sin_table.index_select(0, positions),
+                                   slots.data(), {Group{0, n, rt, at::tensor(lens, first.options())}});
+    tokens = row_argmax(lm_head(h));
+    out.select(1, j - 1).index_put_({at::tensor(active, first.options())}, tokens);
+  }
+  return out;
 }
 
 }  // namespace
@@ -222,4 +339,9 @@ TORCH_LIBRARY(kvfleet_cpu_decode, m) {
         "Tensor[] v_caches, Tensor slot_mapping, int[] starts, int[] ends, Tensor[] tables, Tensor[] valid, "
         "Tensor final_norm, int num_heads, int num_kv_heads, int head_dim, float eps, float scale) -> Tensor",
         &decode_forward);
+  m.def("propose_greedy(Tensor first, int[] base, int[] counts, Tensor tables, int block_size, Tensor embed, "
+        "Tensor?[] head, int head_few_below, Tensor cos_table, Tensor sin_table, Tensor?[] tensors, int[] few_below, "
+        "Tensor[] k_caches, Tensor[] v_caches, Tensor final_norm, int num_heads, int num_kv_heads, int head_dim, "
+        "float eps, float scale) -> Tensor",
+        &propose_greedy);
 }

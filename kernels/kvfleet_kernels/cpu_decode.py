@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import cast
 
@@ -11,7 +12,8 @@ import torch
 from kvfleet_kernels import cpu_attention, cpu_fused
 from kvfleet_kernels.cpu_ext import Extension
 
-__all__ = ["ENABLE_ENV", "NAME", "SOURCE", "TENSORS_PER_LAYER", "available", "decode_forward"]
+__all__ = ["ENABLE_ENV", "NAME", "SOURCE", "TENSORS_PER_LAYER", "Stack", "available", "decode_forward",
+           "propose_greedy"]
 
 SOURCE = Path(__file__).with_name("cpu_decode.cpp")
 NAME = "kvfleet_cpu_decode"  # the extension's file name and its torch.ops namespace
@@ -27,18 +29,49 @@ def available() -> bool:
     return cpu_fused.available() and cpu_attention.available() and _EXT.available()
 
 
-def decode_forward(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, tensors: Sequence[torch.Tensor | None],
-                   few_below: Sequence[int], k_caches: Sequence[torch.Tensor], v_caches: Sequence[torch.Tensor],
-                   slot_mapping: torch.Tensor, groups: Sequence[tuple[int, int, torch.Tensor, torch.Tensor]],
-                   final_norm: torch.Tensor, heads: tuple[int, int, int], eps: float, scale: float) -> torch.Tensor:
+@dataclass(frozen=True)
+class Stack:
+    """A decoder stack as the ops take it: TENSORS_PER_LAYER tensors and 4 row crossovers per layer, each layer's
+    K and V cache, the final norm's weight, (query heads, KV heads, head_dim), the norms' eps, attention's scale."""
+
+    tensors: list[torch.Tensor | None]
+    few_below: list[int]
+    k_caches: list[torch.Tensor]
+    v_caches: list[torch.Tensor]
+    final_norm: torch.Tensor
+    heads: tuple[int, int, int]
+    eps: float
+    scale: float
+
+    def args(self) -> tuple[object, ...]:
+        """The ops' trailing arguments."""
+        return (self.tensors, self.few_below, self.k_caches, self.v_caches, self.final_norm, *self.heads, self.eps,
+                self.scale)
+
+
+def decode_forward(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, stack: Stack, slot_mapping: torch.Tensor,
+                   groups: Sequence[tuple[int, int, torch.Tensor, torch.Tensor]]) -> torch.Tensor:
     """x [T, hidden] embedded decode rows → the final norm's output [T, hidden]. Needs available().
 
-    cos / sin [T, head_dim]: each row's rotary rows; tensors / few_below: TENSORS_PER_LAYER tensors and 4 row
-    crossovers per layer; groups: (start, end, block tables, prefix mask) of each decode-attention call;
-    heads: (query heads, KV heads, head_dim).
+    cos / sin [T, head_dim]: each row's rotary rows; groups: (start, end, block tables, prefix mask) of each
+    decode-attention call.
     """
     starts, ends, tables, valid = zip(*groups, strict=True) if groups else ((), (), (), ())
+    tensors, few_below, k_caches, v_caches, *rest = stack.args()
     op = torch.ops.kvfleet_cpu_decode.decode_forward.default
-    return cast(torch.Tensor, op(x, cos, sin, list(tensors), list(few_below), list(k_caches), list(v_caches),
-                                 slot_mapping, list(starts), list(ends), list(tables), list(valid), final_norm,
-                                 *heads, eps, scale))
+    return cast(torch.Tensor, op(x, cos, sin, tensors, few_below, k_caches, v_caches, slot_mapping, list(starts),
+                                 list(ends), list(tables), list(valid), *rest))
+
+
+def propose_greedy(first: torch.Tensor, base: Sequence[int], counts: Sequence[int], tables: torch.Tensor,
+                   block_size: int, embed: torch.Tensor, head: Sequence[torch.Tensor | None], head_few_below: int,
+                   rope: tuple[torch.Tensor, torch.Tensor], stack: Stack) -> torch.Tensor:
+    """A draft's greedy proposals after its first, in one call: row i feeds first[i] at base[i] + 1 and proposes
+    until it has counts[i] (the first included). Returns int64 [B, max(counts) - 1], -1 past a row's count.
+
+    tables [B, W] int64; head: the LM head's (weight, packed, tiles, bias), run as a linear with head_few_below;
+    rope: the rotary (cos, sin) tables [max_positions, head_dim]. Needs available().
+    """
+    op = torch.ops.kvfleet_cpu_decode.propose_greedy.default
+    return cast(torch.Tensor, op(first, list(base), list(counts), tables, block_size, embed, list(head),
+                                 head_few_below, *rope, *stack.args()))

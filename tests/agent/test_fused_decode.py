@@ -133,3 +133,46 @@ def test_where_it_cannot_run_the_log_says_why(tiny_checkpoint: Callable[..., str
     assert model.fused_decode is None and cpu_decode.ENABLE_ENV in str(why_not(model))
     monkeypatch.delenv(cpu_decode.ENABLE_ENV)
     assert FusedDecode.attach(model) and model.fused_decode is not None
+
+
+def proposals(target: str, dtype: str, spec: dict[str, Any], prompts: list[Any], params: list[SamplingParams],
+              one_call: bool) -> tuple[list[dict[str, list[int]]], int]:
+    """Every draft step's proposals over one generate, and how many steps ran the loop in one call."""
+    llm = LLM(model=target, dtype=dtype, max_model_len=128, speculative_config=spec)
+    dm = llm.engine.runner.draft
+    assert dm is not None and isinstance(dm.model.fused_decode, FusedDecode)
+    fused = dm.model.fused_decode
+    if not one_call:
+        dm.model.fused_decode = None
+    steps: list[dict[str, list[int]]] = []
+    calls = [0]
+    inner, propose = dm.step, fused.propose_greedy
+
+    def step(*args: Any, **kwargs: Any) -> dict[str, list[int]]:
+        out = inner(*args, **kwargs)
+        steps.append({rid: list(t) for rid, t in out.items()})
+        return out
+
+    def counted(*args: Any, **kwargs: Any) -> torch.Tensor | None:
+        calls[0] += 1
+        return propose(*args, **kwargs)
+
+    dm.step = step  # type: ignore[method-assign]
+    fused.propose_greedy = counted  # type: ignore[method-assign]
+    llm.generate(prompts, params)
+    return steps, calls[0]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_drafts_greedy_proposals_in_one_call_are_the_loops(dtype: str, tiny_checkpoint: Callable[..., str]) -> None:
+    """The draft's proposal loop in C++ (propose_greedy) proposes exactly what the Python loop over the modules
+    does, step for step, rows dropping out as their counts run out (max_tokens bounds the last steps')."""
+    target, draft = tiny_checkpoint("llama"), tiny_checkpoint("llama", seed=5)
+    spec = {"method": "draft_model", "model": draft, "num_speculative_tokens": 4, "adaptive": False}
+    prompts = [{"prompt_token_ids": [5 + i, 9, 30 + 7 * i, 11] * (1 + i % 4)} for i in range(5)]
+    params = [SamplingParams(max_tokens=9 + 3 * i, temperature=0.0, ignore_eos=True) for i in range(5)]
+    fused, calls = proposals(target, dtype, spec, prompts, params, one_call=True)
+    looped, none = proposals(target, dtype, spec, prompts, params, one_call=False)
+    assert calls > 0 and none == 0
+    assert fused == looped
+    assert sum(len(t) for s in fused for t in s.values()) > 40

@@ -119,3 +119,21 @@ def test_the_draft_proposes_more_the_cheaper_its_forward_and_the_likelier_accept
     for _ in range(60):
         spec.observe_draft(0.009 * 3, 3)  # and a draft forward costs nearly a target step
     assert spec._best_k(1) == 1
+
+
+def test_a_dear_catch_up_and_cheap_further_proposals_favour_more_of_them() -> None:
+    """Where the proposal loop runs in one call, the first proposal (the catch-up forward and the step's
+    bookkeeping) costs far more than each further one: priced apart, k is chosen for what the next one costs."""
+    config = {"method": "draft_model", "model": "unused", "num_speculative_tokens": 5}
+    apart, averaged = (Speculator(SpeculativeConfig.parse(config)) for _ in range(2))
+    for spec in (apart, averaged):
+        for _ in range(32):
+            spec.policy.observe_step(6, 0.010)  # a 10 ms target step
+        spec._overhead_s = 0.0
+        for _ in range(40):
+            spec.policy.observe("r", 5, 3)  # α = 3/4
+    apart.observe_draft(0.011, 5, first_s=0.009)  # 9 ms to the first proposal, 0.5 ms each after
+    averaged.observe_draft(0.011, 5)  # the same 11 ms spread evenly: 2.2 ms a forward
+    # Tokens per second under α = 3/4: 5 drafts give 3.29 tokens in 21 ms apart (the best j), and j = 3 gives
+    # 2.73 in 16.6 ms when every forward is priced at 2.2 ms.
+    assert (apart._best_k(1), averaged._best_k(1)) == (5, 3)

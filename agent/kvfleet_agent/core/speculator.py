@@ -65,7 +65,10 @@ class Speculator:
         # sent, so the switch decides one step ahead for it: draft_k is how many tokens it proposes after this step
         # (-1: its configured k, 0: it does not run).
         self.draft_k = -1
-        self._forward_s: float | None = None  # a draft forward's seconds, exponentially weighted
+        # A draft's run, exponentially weighted: its first proposal (the catch-up forward, and the step's bookkeeping)
+        # and each further one, which costs far less where the proposal loop runs in one call.
+        self._first_s: float | None = None
+        self._forward_s: float | None = None
         self._overhead_s: float | None = None  # a step's seconds outside the model pass, likewise
         self._draft_s = 0.0  # the draft's seconds in the last step, which served this one
         self._last_choice: bool | None = None  # the previous step's mode (a draft model's transitions go unmeasured)
@@ -131,9 +134,10 @@ class Speculator:
             self.policy.observe_shadow(rid, req.token_ids[req.num_tokens - req.num_new_tokens] == guess)
 
     def observe_step(self, out: SchedulerOutput, tokens: int, execute_s: float, step_s: float, draft_s: float = 0.0,
-                     draft_forwards: int = 0) -> None:
+                     draft_forwards: int = 0, draft_first_s: float | None = None) -> None:
         """A step ended: its model pass took execute_s, of which a draft model's proposals for the next step draft_s
-        in draft_forwards forwards, and the whole step step_s to deliver `tokens` tokens. The target's part teaches
+        in draft_forwards forwards (draft_first_s until its first proposal), and the whole step step_s to deliver
+        `tokens` tokens. The target's part teaches
         the policy's step-time model (over the tokens computed); a pure-decode step (every chunk a decode or a
         verification) that made a speculation choice teaches the switch its throughput, counting the draft work
         done for it in the previous step rather than this step's, which serves the next.
@@ -147,7 +151,7 @@ class Speculator:
         self._overhead_s = overhead if self._overhead_s is None else 0.9 * self._overhead_s + 0.1 * overhead
         served_s = step_s - draft_s + self._draft_s
         self._draft_s = draft_s
-        self.observe_draft(draft_s, draft_forwards)
+        self.observe_draft(draft_s, draft_forwards, draft_first_s)
         if self.choice is None:
             return
         # A draft model's first step on after steps off carries its catch-up: a cost of switching, not of the mode.
@@ -159,26 +163,32 @@ class Speculator:
             expected = sum(self._expected_tokens(c.request_id, len(c.draft)) for c in out.chunks)
             self.switch.observe(self.choice[0], self.choice[1], expected, served_s)
 
-    def observe_draft(self, seconds: float, forwards: int) -> None:
-        """A draft model ran `forwards` forwards in `seconds`: what a proposal costs, for the choice of k."""
-        if forwards > 0:
-            per = seconds / forwards
+    def observe_draft(self, seconds: float, forwards: int, first_s: float | None = None) -> None:
+        """A draft model ran `forwards` forwards in `seconds`, the first `first_s` of them until its first proposal
+        (None: not told apart, each forward the same share): what proposals cost, for the choice of k."""
+        if forwards <= 0:
+            return
+        first = seconds / forwards if first_s is None else min(first_s, seconds)
+        self._first_s = first if self._first_s is None else 0.9 * self._first_s + 0.1 * first
+        if forwards > 1:
+            per = (seconds - first) / (forwards - 1)
             self._forward_s = per if self._forward_s is None else 0.9 * self._forward_s + 0.1 * per
 
     def _best_k(self, decodes: int) -> int:
         """The draft model's tokens per request for a step of `decodes` decodes: the j in 1..k that maximises the
-        expected tokens per second, (decodes * (1 + α + ... + α^j)) / (step(decodes * (1 + j)) + j * forward), with the
-        policy's step-time fit and acceptance and the measured draft forward (j proposals take j forwards: the
-        catch-up's, then one per further token). -1 (all k) until both are measured."""
+        expected tokens per second, (decodes * (1 + α + ... + α^j)) / (step(decodes * (1 + j)) + first + (j - 1) *
+        further), with the policy's step-time fit and acceptance and the draft's measured cost (its first proposal:
+        the catch-up forward; each further one a forward). -1 (all k) until they are measured."""
         k = self.config.num_speculative_tokens
-        if self._forward_s is None or self._overhead_s is None or not self.policy.step_time.steps:
+        if self._first_s is None or self._overhead_s is None or not self.policy.step_time.steps:
             return -1
+        further = self._first_s if self._forward_s is None else self._forward_s  # unseen: as dear as the first
         a, b = self.policy.step_time.coefficients()
         alpha = self.policy.global_acceptance()
         best, best_rate = 1, 0.0
         for j in range(1, k + 1):
             tokens = decodes * sum(alpha ** i for i in range(j + 1))
-            seconds = self._overhead_s + a + b * decodes * (1 + j) + j * self._forward_s
+            seconds = self._overhead_s + a + b * decodes * (1 + j) + self._first_s + (j - 1) * further
             if tokens / seconds > best_rate:
                 best, best_rate = j, tokens / seconds
         return best

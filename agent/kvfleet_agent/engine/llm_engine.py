@@ -254,7 +254,7 @@ class LLMEngine:
         if self.speculator is not None:
             runner = self.executor.runner
             self.speculator.observe_step(plan, delivered, execute_s, time.perf_counter() - step_start, runner.draft_s,
-                                         runner.draft_forwards)
+                                         runner.draft_forwards, runner.draft_first_s)
         out = []
         for req in advanced:
             t = self._tracked[req.request_id]

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import os
+from dataclasses import replace
 
 import torch
 
@@ -57,7 +58,7 @@ class FusedDecode:
     def __init__(self, model: LlamaForCausalLM) -> None:
         self.model = model
         tensors: list[torch.Tensor | None] = []
-        self.few_below: list[int] = []
+        few_below: list[int] = []
         layers = _layers(model)
         for layer in layers:  # cpu_decode.TENSORS_PER_LAYER each, in the op's order
             a = layer.self_attn
@@ -66,14 +67,14 @@ class FusedDecode:
                         a.k_norm.weight if a.k_norm is not None else None]
             for lin in _linears(layer):
                 tensors += [lin.weight, lin.packed, lin.tiles, lin.bias]
-                self.few_below.append(int(lin.few_below))
-        self.tensors = tensors
+                few_below.append(int(lin.few_below))
         attn = layers[0].self_attn
-        self.heads = (attn.num_heads, attn.num_kv_heads, attn.head_dim)
-        self.scale = attn.attn.scale
-        self.eps = model.cfg.rms_norm_eps
-        self.rope = attn.rope
         self.attn_layers: list[PagedAttention] = [layer.self_attn.attn for layer in layers]
+        self.stack = cpu_decode.Stack(tensors, few_below, [a.k_cache for a in self.attn_layers],
+                                      [a.v_cache for a in self.attn_layers], model.norm.weight,
+                                      (attn.num_heads, attn.num_kv_heads, attn.head_dim), model.cfg.rms_norm_eps,
+                                      attn.attn.scale)
+        self.rope = attn.rope
 
     @classmethod
     def attach(cls, model: LlamaForCausalLM) -> bool:
@@ -88,15 +89,34 @@ class FusedDecode:
 
     def applies(self, x: torch.Tensor, meta: AttentionMetadata) -> bool:
         """Whether this step can run it: decode rows only, eager, caches of x's dtype, the ops' backend here."""
-        attn = self.attn_layers[0]
         return (not meta.prefills and meta.decode_tables is None and bool(meta.decode_groups)
-                and attn.k_scale is None and attn.k_cache.dtype == x.dtype and dispatch.backend(x) == "reference")
+                and self._runs(x))
+
+    def _runs(self, x: torch.Tensor) -> bool:
+        attn = self.attn_layers[0]
+        return attn.k_scale is None and attn.k_cache.dtype == x.dtype and dispatch.backend(x) == "reference"
+
+    def _bound(self) -> cpu_decode.Stack:
+        """The stack with the caches bound now (allocate() replaces them after the profiling pass)."""
+        s = self.stack
+        if s.k_caches[0] is not self.attn_layers[0].k_cache:
+            s = self.stack = replace(s, k_caches=[a.k_cache for a in self.attn_layers],
+                                     v_caches=[a.v_cache for a in self.attn_layers])
+        return s
 
     def __call__(self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """Embedded decode rows x [T, hidden] → the final norm's output, as the model's layers compute it."""
         cos, sin = self.rope.cos.index_select(0, positions), self.rope.sin.index_select(0, positions)
         groups = [(g.start, g.end, g.flat_block_index, g.valid) for g in meta.decode_groups]
-        return cpu_decode.decode_forward(x, cos, sin, self.tensors, self.few_below,
-                                         [a.k_cache for a in self.attn_layers], [a.v_cache for a in self.attn_layers],
-                                         meta.slot_mapping, groups, self.model.norm.weight, self.heads, self.eps,
-                                         self.scale)
+        return cpu_decode.decode_forward(x, cos, sin, self._bound(), meta.slot_mapping, groups)
+
+    def propose_greedy(self, first: torch.Tensor, base: list[int], counts: list[int], tables: torch.Tensor,
+                       block_size: int) -> torch.Tensor | None:
+        """A draft's greedy proposals after its first (cpu_decode.propose_greedy: the whole loop of forwards, LM
+        head and argmax in one call), or None where the op cannot run them: the caller loops instead."""
+        head, embed = self.model.lm_head, self.model.embed_tokens.weight
+        if not self._runs(embed) or head.tp.size != 1:
+            return None
+        return cpu_decode.propose_greedy(first, base, counts, tables, block_size, embed,
+                                         [head.weight, head.packed, head.tiles, None], head.few_below,
+                                         (self.rope.cos, self.rope.sin), self._bound())

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -83,10 +84,12 @@ class DraftModel:
         self.max_batched_tokens = max_batched_tokens  # a step's catch-up stays within what the profile pass ran
         self.slots = DraftSlots(0, block_size)
         self.forwards = 0  # forwards the last step ran (the catch-up's, then one per further proposal)
+        self.first_s = 0.0  # the last step's seconds until its first proposals (the catch-up forward included)
         with torch.device(device):
             self.model = LlamaForCausalLM(self.cfg, max_model_len, dtype, TPGroup()).to(dtype)
         self.loaded_bytes = load_weights(self.model, spec.model)
         self.model.eval()
+        self.model.lm_head.allow_few_rows()  # one row a request: the packed call costs more than the read
         for module in self.model.modules():  # CPU: oneDNN-prepacked GEMM weights, as the target's
             pack_weights = getattr(module, "pack_weights", None)
             if callable(pack_weights):
@@ -154,9 +157,11 @@ class DraftModel:
              sampler: Sampler, k: int = -1) -> dict[str, list[int]]:
         """Note what the target wrote and kept; when the next step speculates (k != 0), catch up and propose up to k
         tokens (-1: the configured k) for the eligible requests that sampled."""
+        started = time.perf_counter()
         self.slots.target_wrote(batch.input_ids, batch.slot_mapping, samplers, emitted)
         self.proposed = {}
         self.forwards = 0
+        self.first_s = 0.0
         k = self.k if k < 0 else min(k, self.k)
         rows: list[_Row] = []
         for c in samplers:
@@ -186,7 +191,9 @@ class DraftModel:
             return {}
         by_id = {r.request_id: r for r in rows}
         rows = [by_id[c.request_id] for c in order]  # in the order of the sample rows
-        self._propose(rows, self._pick(self.model.compute_logits(hidden.index_select(0, sample_rows)), rows))
+        first = self._pick(self.model.compute_logits(hidden.index_select(0, sample_rows)), rows)
+        self.first_s = time.perf_counter() - started
+        self._propose(rows, first)
         for r in rows:
             self.slots.proposed(r.request_id, r.pos, r.tokens[:-1])
             if r.q:
@@ -217,12 +224,22 @@ class DraftModel:
     def _propose(self, rows: list[_Row], first: torch.Tensor) -> None:
         """The proposals after the first: step j runs each row's proposal j at pos + j, batched as decodes.
 
-        The tokens stay on the device from step to step; one host transfer at the end reads them all.
+        Greedy rows on CPU run the whole loop in one call (FusedDecode.propose_greedy); elsewhere the tokens stay on
+        the device from step to step, and one host transfer at the end reads them all.
         """
         width = max(len(r.table) for r in rows)
         tables = np.zeros((len(rows), width), dtype=np.int64)
         for i, r in enumerate(rows):
             tables[i, :len(r.table)] = r.table
+        fused = self.model.fused_decode
+        if isinstance(fused, FusedDecode) and all(r.params.greedy for r in rows):
+            rest = fused.propose_greedy(first, [r.pos for r in rows], [r.count for r in rows],
+                                        torch.from_numpy(tables).to(self.device), self.block_size)
+            if rest is not None:  # the whole loop ran in one call
+                self.forwards += int(max(r.count for r in rows)) - 1
+                for r, t, more in zip(rows, first.tolist(), rest.tolist(), strict=True):
+                    r.tokens += [t, *more[:r.count - 1]]
+                return
         base = np.asarray([r.pos for r in rows], dtype=np.int64)
         counts = np.asarray([r.count for r in rows])
         tokens, active = first, np.arange(len(rows))

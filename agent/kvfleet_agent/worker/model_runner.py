@@ -103,6 +103,7 @@ class ModelRunner:
                                     self.dtype, self.step_inputs, config.max_num_batched_tokens or max_model_len)
         self.draft_s = 0.0  # the draft's part of the last step (its proposals serve the next one)
         self.draft_forwards = 0  # and the forwards it ran then
+        self.draft_first_s = 0.0  # and its seconds until its first proposal
 
     def param_bytes(self) -> int:
         """Bytes of this rank's weights as held (quantized ones as packed; a tied embedding and LM head once)."""
@@ -268,6 +269,7 @@ class ModelRunner:
             proposals = self.draft.step(batch, samplers, tokens, self.sampler, draft_k)
             self.draft_s = time.perf_counter() - started
             self.draft_forwards = self.draft.forwards
+            self.draft_first_s = self.draft.first_s
         return tokens, logprobs, prompt, proposals
 
     def _run(self, batch: StepBatch, samplers: list[ScheduledChunk]) -> tuple[dict[str, list[int]],
