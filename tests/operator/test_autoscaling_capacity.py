@@ -176,6 +176,15 @@ def test_observe_samples_steady_rounds_and_assumes_a_line_until_it_can_fit() -> 
     assert capacity.observe(old, obs(), d, NOW, 4.0).samples == ((NOW - 10, 200.0, 2.0),)
 
 
+def test_a_queue_of_float_noise_is_no_sample() -> None:
+    """A queue depth near zero (hypothesis found 5e-324) would put the line through it out of float range: M inf,
+    w 0, and per_replica dividing by zero. It adds no sample and assumes no line."""
+    o = obs(queue_depth=4e-320)  # 1e-320 requests per replica
+    cap = capacity.observe(Capacity(), o, capacity.demand(o, 15.0), NOW, 4.0)
+    assert cap == Capacity()
+    assert capacity.per_replica(cap, 4.0, 0.1) is None
+
+
 def test_observe_fits_once_the_samples_allow_and_keeps_a_fitted_line() -> None:
     loads = [100.0 + 700.0 * i / (MIN_SAMPLES - 2) for i in range(MIN_SAMPLES - 1)]
     before = Capacity(samples(loads), capacity.assumed(300.0, 1.0, 4.0), None)

@@ -40,6 +40,9 @@ CEILING_TTL_S = 1800.0  # a latency ceiling is forgotten after half an hour with
 PREFILL_BOUND_SHARE = 0.25
 LATENCY_ONLY_UTILISATION = 0.5  # no queue target: size for half of saturation (time in system twice W0)
 STEADY = 0.1  # arrivals within this share of completions: the window is in steady state
+# Requests per replica below which a queue is float noise, not a load: a point (s, q) with q near zero puts s / q and
+# the line through it out of float range (M overflows to inf, w to 0), and Little's law says nothing there.
+MIN_QUEUE = 1e-6
 
 
 @dataclass(frozen=True)
@@ -78,7 +81,7 @@ def observe(cap: Capacity, obs: Observation, d: Demand | None, now: float, queue
     point = None
     if d is not None and obs.queue_depth is not None and obs.reporting_replicas > 0 and steady(obs):
         q = obs.queue_depth / obs.reporting_replicas
-        if d.served_per_replica > 0 and q > 0:
+        if d.served_per_replica > 0 and q >= MIN_QUEUE:
             point = (d.served_per_replica, q)
             samples = (*samples, (now, *point))
     line = fit(samples, now)
