@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from spec_helpers import drafted, run, same
 
-from kvfleet_agent.core.scheduler_output import ScheduledChunk
+from kvfleet_agent.core.scheduler_output import ScheduledChunk, SchedulerOutput
 from kvfleet_agent.core.spec_switch import SpecSwitch
 from kvfleet_agent.core.speculator import Speculator
 from kvfleet_agent.sampling_params import SamplingParams
@@ -137,3 +137,17 @@ def test_a_dear_catch_up_and_cheap_further_proposals_favour_more_of_them() -> No
     # Tokens per second under α = 3/4: 5 drafts give 3.29 tokens in 21 ms apart (the best j), and j = 3 gives
     # 2.73 in 16.6 ms when every forward is priced at 2.2 ms.
     assert (apart._best_k(1), averaged._best_k(1)) == (5, 3)
+
+
+def test_a_transitions_catch_up_does_not_price_the_proposals() -> None:
+    """The draft's run after a step without speculation catches up on every token it skipped: that is the switch's
+    transition cost, and k is chosen from the steady runs' costs alone."""
+    spec = Speculator(SpeculativeConfig.parse({"method": "draft_model", "model": "unused",
+                                               "num_speculative_tokens": 4}))
+    out = SchedulerOutput([], 1)
+    spec.choice = (1, False)  # this step did not speculate; the draft ran after it, for the next
+    spec.observe_step(out, 1, 0.020, 0.021, draft_s=0.015, draft_forwards=4, draft_first_s=0.012)
+    assert spec._first_s is None and spec._forward_s is None
+    spec.choice = (1, True)
+    spec.observe_step(out, 3, 0.006, 0.0061, draft_s=0.002, draft_forwards=4, draft_first_s=0.0011)
+    assert spec._first_s == pytest.approx(0.0011) and spec._forward_s == pytest.approx(0.0003)

@@ -151,7 +151,10 @@ class Speculator:
         self._overhead_s = overhead if self._overhead_s is None else 0.9 * self._overhead_s + 0.1 * overhead
         served_s = step_s - draft_s + self._draft_s
         self._draft_s = draft_s
-        self.observe_draft(draft_s, draft_forwards, draft_first_s)
+        if self.choice is None or self.choice[1]:
+            # After a step without speculation the draft's run is a transition (its catch-up spans every token it
+            # skipped): a cost of switching, priced by the switch, not what a proposal costs.
+            self.observe_draft(draft_s, draft_forwards, draft_first_s)
         if self.choice is None:
             return
         # A draft model's first step on after steps off carries its catch-up: a cost of switching, not of the mode.
