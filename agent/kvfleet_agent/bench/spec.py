@@ -162,8 +162,8 @@ def repeats(batch: int) -> int:
 
 
 def run(a: argparse.Namespace) -> list[Cell]:
-    """Every cell, the configurations interleaved round by round (the machine drifts; each round compares like
-    with like); one engine per configuration, kept across workloads and batch sizes."""
+    """Every cell, the configurations interleaved batch by batch within each round (the machine drifts; each round
+    compares like with like); one engine per configuration, kept across workloads and batch sizes."""
     model, draft = a.model, a.draft
     if model is None or draft is None:
         from kvfleet_agent.models.train_tiny import train_pair
@@ -180,13 +180,18 @@ def run(a: argparse.Namespace) -> list[Cell]:
     for r in range(-a.warmup_rounds, a.rounds):
         for w, b in cells:
             ps = prompts(w, b * repeats(b), a.seed + r)
-            for c, llm in engines.items():
-                pooled = Run()
-                for i in range(0, len(ps), b):
-                    pooled.add(measure(llm, ps[i:i + b], MAX_TOKENS[w]))
+            pooled = {c: Run() for c in engines}
+            # Batch by batch, each configuration in turn, the order rotated: the machine's speed drifts by tens of
+            # percent within minutes, and a cell's configurations then meet the same drift.
+            for n, i in enumerate(range(0, len(ps), b)):
+                names = list(engines)
+                k = (n + r) % len(names)
+                for c in names[k:] + names[:k]:
+                    pooled[c].add(measure(engines[c], ps[i:i + b], MAX_TOKENS[w]))
+            for c in engines:
                 if r >= 0:
-                    samples.setdefault((w, b, c), []).append(pooled)
-                    tokens.setdefault((w, b), set()).add(pooled.tokens)
+                    samples.setdefault((w, b, c), []).append(pooled[c])
+                    tokens.setdefault((w, b), set()).add(pooled[c].tokens)
                 bar.update()
     bar.close()
     # Greedy: every configuration must have generated the very same number of tokens in each cell.
