@@ -61,6 +61,13 @@ def ttfts(path: Path, before_s: float = math.inf) -> list[float]:
                   and r["scheduled_s"] < before_s)
 
 
+def last_decision(f: Fleet) -> dict[str, Any]:
+    """status.autoscaling.lastDecision ({} before the first)."""
+    d: dict[str, Any] = get_cr(f.cluster, f.namespace, f.name).get("status", {}).get("autoscaling", {}).get(
+        "lastDecision") or {}
+    return d
+
+
 def p95(xs: list[float]) -> float:
     return xs[min(len(xs) - 1, math.ceil(0.95 * len(xs)) - 1)]
 
@@ -79,9 +86,16 @@ def test_a_stepped_load_scales_up_lowers_ttft_and_scales_down_after_the_window(s
                                    "policies": [{"type": "Percent", "value": 100, "periodSeconds": INTERVAL_S}]}}}
     f.apply(1, autoscaling=autoscaling)
     # The low step, well within one replica: the capacity model learns from its steady flow (before any flow
-    # the queue rule decides, see decide.py).
-    f.bench(tmp_path / "low.json", "--request-rate", f"{0.15 * one:.2f}", "--duration", "20", "--seed", "5",
-            *LOAD)
+    # the queue rule decides, see decide.py). It samples only windows whose arrivals are within 10% of their
+    # completions, which a Poisson load of a few requests a second may miss for a while (CI once saw no sample in
+    # 20 s, and the queue vote alone scaled up): the low load runs until the model proposes, within a minute.
+    low_load = start_bench(f, tmp_path / "low.json", 0.15 * one, 60)
+    try:
+        wait_for("the capacity model to learn from the low step", lambda: any(
+            p["source"] == "capacity" for p in last_decision(f).get("proposals", [])), timeout=60)
+    finally:
+        low_load.terminate()  # ours: the rest of the low step is not needed
+        low_load.wait(timeout=30)
     assert replicas(f) == 1, json.dumps(get_cr(f.cluster, f.namespace, f.name)["status"]["autoscaling"], indent=1)
 
     # The high step: one replica at 1.3x what it serves. The operator scales up on the capacity model.
