@@ -18,7 +18,7 @@ from kvfleet_agent.core.spec_switch import SpecSwitch
 from kvfleet_agent.core.speculator import Speculator
 from kvfleet_agent.sampling_params import SamplingParams
 from kvfleet_agent.spec_config import SpeculativeConfig
-from kvfleet_agent.worker.draft_slots import DraftSlots
+from kvfleet_agent.worker.draft_slots import MAX_PENDING, DraftSlots
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=50)
 TABLE = [5, 2, 7]  # block size 4: positions 0-3 in block 5, 4-7 in block 2, 8-11 in block 7
@@ -40,6 +40,22 @@ def test_a_prompt_is_stale_until_the_draft_computes_it() -> None:
     assert s.first_stale("r", TABLE, 6) == 0 and s.tokens(TABLE, 0, 6) == [1, 2, 3, 4, 5, 6]
     s.computed("r", TABLE, 0, 7)  # the catch-up, with the newest token 9 at position 6
     assert s.first_stale("r", TABLE, 6) == 6
+
+
+def test_steps_the_draft_skips_queue_their_writes_in_order_and_in_bounded_memory() -> None:
+    """While the draft is off a step only queues what the target wrote; read back, a slot written twice (a block
+    reused) holds the later token, and a long stretch off never queues more than MAX_PENDING steps."""
+    s = DraftSlots(128, 4)
+    wrote(s, chunk([1, 2, 3, 4, 5, 6], 0), [7])
+    wrote(s, chunk([11, 12], 0), [13])  # the same slots, rewritten before anything read them
+    assert s.pending and s.tokens(TABLE, 0, 6) == [11, 12, 3, 4, 5, 6] and not s.pending
+    table = list(range(100))
+    for pos in range(MAX_PENDING + 10):
+        c = ScheduledChunk("r", [1000 + pos], pos, table, True, GREEDY)
+        s.target_wrote(np.asarray(c.token_ids), s.slots(table, pos, pos + 1), [c], {"r": [1001 + pos]})
+        assert len(s.pending) < MAX_PENDING
+    assert s.tokens(table, 0, MAX_PENDING + 10) == [1000 + p for p in range(MAX_PENDING + 10)]
+    assert s.first_stale("r", table, MAX_PENDING + 10) == 0
 
 
 def test_accepted_guesses_stay_valid_and_rejected_ones_do_not() -> None:
@@ -72,10 +88,10 @@ def test_a_new_prompt_in_reused_blocks_is_stale_and_rescanned_from_its_start() -
     assert s.first_stale("r", TABLE, 5) == 0
 
 
-def every_other_pair() -> Callable[[SpecSwitch, int], bool]:
+def every_other_pair() -> Callable[[SpecSwitch, int, bool], bool]:
     """A switch that speculates two steps in five: the draft skips three steps of every five."""
     pattern = itertools.cycle([False, False, True, False, True])
-    return lambda self, batch: next(pattern)
+    return lambda self, batch, measured=True: next(pattern)
 
 
 @pytest.mark.parametrize("budget", [64, 16])

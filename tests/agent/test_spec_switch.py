@@ -115,3 +115,18 @@ def test_exploring_runs_far_behind_are_spaced_by_what_their_steps_lose() -> None
     gap = EXPLORE_RUN * step_on * (1 - 250 / 1000) / (EXPLORE_BUDGET * step_off)
     assert gap > EXPLORE_EVERY_FAR
     assert len(runs) >= 2 and all(b - a >= 0.99 * gap for a, b in itertools.pairwise(runs))  # rates are EWMAs
+
+
+def test_steps_with_prefill_follow_the_nearest_learnt_bucket_and_teach_nothing() -> None:
+    """Mixed steps are never measured: learning in their bucket would never end (a draft model would speculate, and
+    catch up, in every one). They take the nearest learnt bucket's verdict, the larger on a tie, or stay off."""
+    switch = SpecSwitch()
+    assert switch.choose(2, measured=False) is False  # nothing learnt yet
+    drive(switch, 1, rate_on=1400.0, rate_off=700.0, steps=2 * MIN_SAMPLES + 1)  # speculation pays alone
+    drive(switch, 4, rate_on=400.0, rate_off=900.0, steps=2 * MIN_SAMPLES + 1)  # not at 4
+    assert [switch.choose(b, measured=False) for b in (1, 2, 3, 4, 8, 64)] == [True, False, False, False, False, False]
+    drive(switch, 16, rate_on=1400.0, rate_off=700.0, steps=2 * MIN_SAMPLES + 1)
+    # 16 is nearer to 32, and the larger of 4 and 16 around 8.
+    assert switch.choose(32, measured=False) is True and switch.choose(8, measured=False) is True
+    # Nothing was counted for the mixed steps' buckets: a measured step there still learns speculation first.
+    assert switch.choose(2) is True and 2 not in switch.speculating

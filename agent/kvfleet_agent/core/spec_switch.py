@@ -14,6 +14,11 @@ each exploring step costs more, so it explores every EXPLORE_EVERY_FAR steps ins
 it (observe_transition), and exploring runs are spaced so that what they lose against staying off (the transition,
 and the run's steps at the worse rate) is at most EXPLORE_BUDGET of the time.
 
+A step that mixes in prefill chunks is not measured (its time is mostly the prefill's), so it cannot teach its bucket,
+and learning there would never end: such steps take the verdict of the nearest bucket that has learnt both modes (the
+larger on a tie: not speculating is the cheaper bet), or do not speculate while none has. A draft model would
+otherwise speculate in every mixed step at the start of a batch, and pay a catch-up for each.
+
 Speculation must win by MARGIN to be taken up (and is kept while it wins at all): a step's tokens per second do not
 see all it costs. Requests that speculate finish at different times, so a batch runs its tail smaller; a
 verification's ITL varies more; rejected drafts take KV slots. Where the two modes are within the margin, not
@@ -80,9 +85,12 @@ class SpecSwitch:
         self.explore_at: dict[int, int] = {}  # the bucket's step where its next exploring run starts
         self.transition_s: dict[int, float] = {}  # the seconds of a transition into speculation, weighted
 
-    def choose(self, batch: int) -> bool:
-        """Whether this step should speculate (a step of `batch` decode requests)."""
+    def choose(self, batch: int, measured: bool = True) -> bool:
+        """Whether this step should speculate (a step of `batch` decode requests; measured: it will be observed, no
+        prefill chunk in it)."""
         b = bucket(batch)
+        if not measured:
+            return self._borrowed(b)
         on, off = self.rates.get((b, True), _Rate()), self.rates.get((b, False), _Rate())
         count = self.decisions[b] = self.decisions.get(b, 0) + 1
         if on.n < MIN_SAMPLES:
@@ -106,6 +114,16 @@ class SpecSwitch:
         if count >= at + EXPLORE_RUN:
             at = self.explore_at[b] = max(at + every, count)
         return not best if count >= at else best
+
+    def _trusted(self, b: int) -> bool:
+        return min(self.rates.get((b, True), _Rate()).n, self.rates.get((b, False), _Rate()).n) >= MIN_SAMPLES
+
+    def _borrowed(self, b: int) -> bool:
+        """The verdict of the nearest bucket that has learnt both modes (b itself if it has), False if none has."""
+        learnt = [c for c in self.speculating if self._trusted(c)]
+        if not learnt:
+            return False
+        return self.speculating[min(learnt, key=lambda c: (abs(c.bit_length() - b.bit_length()), -c))]
 
     def observe(self, batch: int, speculated: bool, tokens: float, seconds: float) -> None:
         """A pure-decode step of `batch` requests delivered `tokens` tokens in `seconds`."""

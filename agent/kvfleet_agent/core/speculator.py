@@ -76,14 +76,14 @@ class Speculator:
     def propose(self, decodes: Sequence[Request], num_other_tokens: int, budget: int) -> dict[str, list[int]]:
         """Drafts for this step's decode requests (only those that get any), within `budget` extra tokens."""
         proposals: dict[str, list[int]] = {}
-        # A draft model's proposals came from its last run; none (it was off) leaves nothing to look up per request.
-        candidates = [req for req in decodes if eligible(req)] if self.config.method == "ngram" or self.external else []
-        on = True
-        if self.config.method == "ngram" and self.config.adaptive and candidates:
+        ngram, on = self.config.method == "ngram", True
+        if ngram and self.config.adaptive and any(eligible(req) for req in decodes):
             # Decided before guessing: while the switch keeps speculation off, the lookups (a Python scan per request
             # per step) are skipped; its exploring runs measure acceptance afresh.
-            on = self.switch.choose(len(decodes))
-        for req in candidates if on else []:
+            on = self.switch.choose(len(decodes), measured=not num_other_tokens)
+        # A draft model's proposals came from its last run; none (it was off) leaves nothing to look up per request.
+        candidates = [req for req in decodes if eligible(req)] if on and (ngram or self.external) else []
+        for req in candidates:
             room = min(self.config.num_speculative_tokens, req.sampling_params.max_tokens - req.num_output_tokens - 1,
                        req.max_model_len - req.num_tokens - 1)
             guess = self._guess(req, room) if room > 0 else []
@@ -96,7 +96,9 @@ class Speculator:
                 # This step's choice was made last step (the draft ran, or not, for it); it is measured whether or
                 # not the draft had anything to propose, so the switch sees both modes.
                 self.choice = (n, self.draft_k != 0)
-            runs = (limit is None or n < limit) and (not self.config.adaptive or self.switch.choose(n))
+            # A step with prefill chunks is not measured; the next one likely is not either.
+            runs = (limit is None or n < limit) and (
+                not self.config.adaptive or self.switch.choose(n, measured=not num_other_tokens))
             self.draft_k = (self._best_k(n) if self.config.adaptive else -1) if runs else 0
         elif self.config.adaptive and (proposals or not on):
             self.choice = (len(decodes), on)
@@ -163,7 +165,9 @@ class Speculator:
             self.switch.observe_transition(self.choice[0], served_s)
         self._last_choice = self.choice[1]
         if steady and all(c.sample and len(c.token_ids) == 1 + len(c.draft) for c in out.chunks):
-            expected = sum(self._expected_tokens(c.request_id, len(c.draft)) for c in out.chunks)
+            # Without drafts each decode yields one token: no acceptance to look up.
+            expected = sum(self._expected_tokens(c.request_id, len(c.draft)) for c in out.chunks) if self.choice[1] \
+                else float(len(out.chunks))
             self.switch.observe(self.choice[0], self.choice[1], expected, served_s)
 
     def observe_draft(self, seconds: float, forwards: int, first_s: float | None = None) -> None:

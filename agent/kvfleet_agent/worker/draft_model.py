@@ -163,6 +163,11 @@ class DraftModel:
         self.forwards = 0
         self.first_s = 0.0
         k = self.k if k < 0 else min(k, self.k)
+        if k == 0:  # off for the next step: only count what each request emitted (max_tokens bounds proposals)
+            counts = self.num_output
+            for rid, new in emitted.items():
+                counts[rid] = counts.get(rid, 0) + len(new)
+            return {}
         rows: list[_Row] = []
         for c in samplers:
             out = emitted.get(c.request_id)
