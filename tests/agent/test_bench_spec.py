@@ -1,10 +1,15 @@
-"""bench spec's summary: each configuration against `off` as the median of per-round paired ratios."""
+"""bench spec: configurations interleaved step by step, each on its own clock; each configuration against `off` as the
+median of per-round paired ratios."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 
-from kvfleet_agent.bench.spec import Run, repeats, summarize, table
+from kvfleet_agent.bench.spec import Run, measure, repeats, spec_config, summarize, table
+from kvfleet_agent.llm import LLM
+from kvfleet_agent.outputs import RequestOutput
 
 
 def run(tps: float, drafts: int = 0, accepted: int = 0) -> Run:
@@ -34,3 +39,27 @@ def test_batches_of_a_round_pool_their_tokens_and_seconds() -> None:
     pooled.add(Run(decoded=20, seconds=0.5, itl=[0.02], tokens=64))
     assert pooled.tps == 80.0 and pooled.itl == [0.01, 0.02] and (pooled.tokens, pooled.drafts) == (128, 3)
     assert [repeats(b) for b in (1, 4, 16, 64)] == [8, 2, 1, 1]
+
+
+def test_configurations_run_each_batch_step_by_step_on_their_own_clocks(tiny_checkpoint: Callable[..., str]) -> None:
+    """measure interleaves the engines' steps: each run counts every token once, times its decode tokens on its own
+    engine's clock (the other engines' steps are not in it) and gives each token after a request's first an ITL."""
+    model = tiny_checkpoint("llama")
+    engines = {c: LLM(model=model, max_model_len=128, speculative_config=spec_config(c, model, 2))
+               for c in ("off", "ngram", "draft")}
+    batch = ["def f(x):\n    return x\n\ndef f(x):", "import os\nimport sys\n"]
+    steps = {c: 0 for c in engines}
+    for c, llm in engines.items():
+        step = llm.engine.step
+
+        def counted(c: str = c, step: Callable[[], list[RequestOutput]] = step) -> list[RequestOutput]:
+            steps[c] += 1
+            return step()
+
+        llm.engine.step = counted  # type: ignore[method-assign]
+    runs = measure(engines, batch, 9, turn=1)
+    for c, got in runs.items():
+        assert got.tokens == 2 * 9 and len(got.itl) == got.tokens - 2, c
+        assert 0 < got.decoded <= got.tokens - 2 and got.seconds > 0 and all(x > 0 for x in got.itl), c
+    assert runs["off"].drafts == 0 and runs["draft"].drafts > 0  # the target as its own draft: drafts verified
+    assert steps["off"] >= 9 and steps["draft"] < steps["off"]  # it accepts: fewer steps for the same tokens

@@ -16,6 +16,7 @@ from typing import Any
 
 from tqdm import tqdm
 
+from kvfleet_agent.engine.llm_engine import LLMEngine
 from kvfleet_agent.llm import LLM
 from kvfleet_agent.models.stdlib_corpus import texts
 from kvfleet_agent.sampling_params import SamplingParams
@@ -115,44 +116,69 @@ class Run:
         self.accepted += other.accepted
 
 
-def measure(llm: LLM, batch: list[str], max_tokens: int) -> Run:
-    """Run one batch to the end through engine steps. Decode tokens are those delivered once every request has its
-    first; a token's ITL is its step's gap spread over the tokens the step delivered (3 tokens in 30 ms count 10 ms
-    each)."""
-    engine = llm.engine
-    before = engine.stats().spec
+def measure(engines: dict[str, LLM], batch: list[str], max_tokens: int, turn: int = 0) -> dict[str, Run]:
+    """Run one batch to the end on every configuration's engine, their steps interleaved: one step of each engine in
+    turn, the order rotated every step (`turn` offsets it), so that all meet the machine's drift alike (its speed
+    swings by tens of percent within seconds: batch by batch, a cell's rounds still disagreed by +-15%). Each engine
+    keeps its own clock, the sum of its steps' times: decode tokens are those delivered once every request has its
+    first, over the clock from then to its last step; a token's ITL is its engine's clock since the request's last
+    token, spread over the tokens the step delivered (3 tokens in 30 ms count 10 ms each)."""
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-    ids = [f"b{i}-{time.monotonic_ns()}" for i in range(len(batch))]
-    for rid, prompt in zip(ids, batch, strict=True):
-        engine.add_request(rid, prompt, params)
-    last: dict[str, float] = {}
-    counts: dict[str, int] = {}
-    out_run = Run()
-    first_all: float | None = None
-    end = 0.0
-    while engine.has_unfinished():
-        outs = engine.step()
-        now = time.perf_counter()
+    names = list(engines)
+    runs = {c: _Progress(engines[c].engine, batch, params) for c in names}
+    step = turn
+    while any(p.engine.has_unfinished() for p in runs.values()):
+        k = step % len(names)
+        for c in names[k:] + names[:k]:
+            runs[c].step()
+        step += 1
+    return {c: p.result() for c, p in runs.items()}
+
+
+class _Progress:
+    """One engine's run of a batch in `measure`: its clock, each request's tokens so far and the time of its last."""
+
+    def __init__(self, engine: LLMEngine, batch: list[str], params: SamplingParams) -> None:
+        self.engine = engine
+        self.before = engine.stats().spec
+        self.ids = [f"b{i}-{time.monotonic_ns()}" for i in range(len(batch))]
+        for rid, prompt in zip(self.ids, batch, strict=True):
+            engine.add_request(rid, prompt, params)
+        self.clock = 0.0
+        self.first_all: float | None = None
+        self.last: dict[str, float] = {}
+        self.counts: dict[str, int] = {}
+        self.run = Run()
+
+    def step(self) -> None:
+        """One engine step, timed, and what it delivered."""
+        if not self.engine.has_unfinished():
+            return
+        start = time.perf_counter()
+        outs = self.engine.step()
+        self.clock += time.perf_counter() - start
         for out in outs:
-            n = len(out.outputs[0].token_ids) - counts.get(out.request_id, 0)
+            n = len(out.outputs[0].token_ids) - self.counts.get(out.request_id, 0)
             if n <= 0:
                 continue
-            if out.request_id in last:
-                out_run.itl += [(now - last[out.request_id]) / n] * n
-            if first_all is not None:
-                out_run.decoded += n
-            counts[out.request_id] = len(out.outputs[0].token_ids)
-            last[out.request_id] = now
-        if first_all is None and len(last) == len(ids):
-            first_all = now
-        end = now
-    spec = engine.stats().spec
-    if spec is not None and before is not None:
-        out_run.drafts = spec.num_drafts - before.num_drafts
-        out_run.accepted = spec.num_accepted_tokens - before.num_accepted_tokens
-    out_run.seconds = end - (first_all or end)
-    out_run.tokens = sum(counts.values())
-    return out_run
+            if out.request_id in self.last:
+                self.run.itl += [(self.clock - self.last[out.request_id]) / n] * n
+            if self.first_all is not None:
+                self.run.decoded += n
+            self.counts[out.request_id] = len(out.outputs[0].token_ids)
+            self.last[out.request_id] = self.clock
+        if self.first_all is None and len(self.last) == len(self.ids):
+            self.first_all = self.clock
+
+    def result(self) -> Run:
+        """The run, with the verifications and accepted drafts the engine counted meanwhile."""
+        spec = self.engine.stats().spec
+        if spec is not None and self.before is not None:
+            self.run.drafts = spec.num_drafts - self.before.num_drafts
+            self.run.accepted = spec.num_accepted_tokens - self.before.num_accepted_tokens
+        self.run.seconds = self.clock - (self.first_all or self.clock)
+        self.run.tokens = sum(self.counts.values())
+        return self.run
 
 
 def repeats(batch: int) -> int:
@@ -162,8 +188,8 @@ def repeats(batch: int) -> int:
 
 
 def run(a: argparse.Namespace) -> list[Cell]:
-    """Every cell, the configurations interleaved batch by batch within each round (the machine drifts; each round
-    compares like with like); one engine per configuration, kept across workloads and batch sizes."""
+    """Every cell, the configurations interleaved step by step within each batch (`measure`; the order rotated per
+    batch and round); one engine per configuration, kept across workloads and batch sizes."""
     model, draft = a.model, a.draft
     if model is None or draft is None:
         from kvfleet_agent.models.train_tiny import train_pair
@@ -181,13 +207,9 @@ def run(a: argparse.Namespace) -> list[Cell]:
         for w, b in cells:
             ps = prompts(w, b * repeats(b), a.seed + r)
             pooled = {c: Run() for c in engines}
-            # Batch by batch, each configuration in turn, the order rotated: the machine's speed drifts by tens of
-            # percent within minutes, and a cell's configurations then meet the same drift.
             for n, i in enumerate(range(0, len(ps), b)):
-                names = list(engines)
-                k = (n + r) % len(names)
-                for c in names[k:] + names[:k]:
-                    pooled[c].add(measure(engines[c], ps[i:i + b], MAX_TOKENS[w]))
+                for c, got in measure(engines, ps[i:i + b], MAX_TOKENS[w], turn=n + r).items():
+                    pooled[c].add(got)
             for c in engines:
                 if r >= 0:
                     samples.setdefault((w, b, c), []).append(pooled[c])
