@@ -12,6 +12,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cstdint>
 #include <cstring>
 #include <optional>
@@ -265,71 +266,109 @@ at::Tensor row_argmax(const at::Tensor& logits) {
   return logits.argmax(-1);
 }
 
-// A draft model's greedy proposals after its first: row i fed `first[i]` at position base[i] + 1 proposes the next
-// token, which fed at base[i] + 2 proposes the next, until counts[i] - 1 more (the first is proposal 0). Each step
-// runs the stack over the rows still proposing, the LM head (head_* as one Linear) and the row argmax, as the
-// Python loop would, without returning to it. tables [B, W] int64 block tables; cos_table / sin_table the rotary
-// tables [max_positions, D]. Returns [B, max(counts) - 1] int64, -1 past a row's count.
-at::Tensor propose_greedy(const at::Tensor& first, at::IntArrayRef base, at::IntArrayRef counts,
-                          const at::Tensor& tables_in, int64_t block_size, const at::Tensor& embed,
-                          const c10::List<OptTensor>& head, int64_t head_few_below, const at::Tensor& cos_table,
-                          const at::Tensor& sin_table, const c10::List<OptTensor>& tensors,
-                          at::IntArrayRef few_below, at::TensorList k_caches, at::TensorList v_caches,
-                          const at::Tensor& final_norm, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
-                          double eps, double scale) {
+// One forward of a draft's rows: row t is a token of request req[t] at position pos[t] (it attends to the request's
+// cache up to there); sample[b] is the row whose logits give request b's proposal. Runs the stack, the LM head over
+// the sampled rows and the row argmax, as the Python path would. Returns the proposals [len(sample)] int64.
+struct DraftForward {
+  const Stack& stack;
+  const Linear& lm_head;
+  const at::Tensor &embed, &cos_table, &sin_table;
+  const int64_t* tp;  // block tables [B, W]
+  int64_t W, blocks, block_size;
+
+  at::Tensor operator()(const at::Tensor& ids, const std::vector<int64_t>& req, const std::vector<int64_t>& pos,
+                        const std::vector<int64_t>& sample) const {
+    const int64_t T = static_cast<int64_t>(pos.size());
+    const at::TensorOptions longs = ids.options();
+    std::vector<int64_t> slots(T), lens(T);
+    at::Tensor rt = at::empty({T, W}, longs);
+    for (int64_t t = 0; t < T; ++t) {
+      const int64_t r = req[t], b = pos[t] / block_size;
+      TORCH_CHECK(pos[t] >= 0 && b < W, "kvfleet_cpu_decode: row ", r, "'s position ", pos[t],
+                  " is past its block table");
+      const int64_t id = tp[r * W + b];
+      TORCH_CHECK(id >= 0 && id < blocks, "kvfleet_cpu_decode: row ", r, ": block id ", id, " out of range");
+      slots[t] = id * block_size + pos[t] % block_size;
+      lens[t] = pos[t] + 1;
+      std::memcpy(rt.mutable_data_ptr<int64_t>() + t * W, tp + r * W, static_cast<size_t>(W) * sizeof(int64_t));
+    }
+    const at::Tensor positions = at::tensor(pos, longs);
+    const at::Tensor x = at::embedding(embed, ids);
+    stack.check(x);
+    at::Tensor h = stack.run(x, cos_table.index_select(0, positions), sin_table.index_select(0, positions),
+                             slots.data(), {Group{0, T, rt, at::tensor(lens, longs)}});
+    if (static_cast<int64_t>(sample.size()) != T) h = h.index_select(0, at::tensor(sample, longs));
+    return row_argmax(lm_head(h));
+  }
+};
+
+// A draft model's greedy proposals, its whole run in one call. First forward: request i's rows[i] tokens (`ids`, in
+// request order: the positions its K/V lacks, then its newest token) at positions starts[i] onwards; its last row
+// proposes token 0. Then each further forward feeds every request its last proposal at the next position, until it
+// has counts[i] proposals, rows dropping out as their counts end, as the Python loop does. tables [B, W] int64 block
+// tables; head_* the LM head as one Linear; cos_table / sin_table the rotary tables [max_positions, D]. Returns
+// ([B, max(counts)] int64, -1 past a request's count; the seconds until the first proposals were known).
+std::tuple<at::Tensor, double> propose_greedy(
+    const at::Tensor& ids_in, at::IntArrayRef starts, at::IntArrayRef rows, at::IntArrayRef counts,
+    const at::Tensor& tables_in, int64_t block_size, const at::Tensor& embed, const c10::List<OptTensor>& head,
+    int64_t head_few_below, const at::Tensor& cos_table, const at::Tensor& sin_table,
+    const c10::List<OptTensor>& tensors, at::IntArrayRef few_below, at::TensorList k_caches, at::TensorList v_caches,
+    const at::Tensor& final_norm, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double eps,
+    double scale) {
+  const auto started = std::chrono::steady_clock::now();
   const Stack stack = stack_of(tensors, few_below, k_caches, v_caches, final_norm, num_heads, num_kv_heads,
                                head_dim, eps, scale);
-  const int64_t B = first.numel();
-  TORCH_CHECK(first.dim() == 1 && first.scalar_type() == at::kLong, "kvfleet_cpu_decode: first must be int64 [B]");
-  TORCH_CHECK(static_cast<int64_t>(base.size()) == B && static_cast<int64_t>(counts.size()) == B,
-              "kvfleet_cpu_decode: a base position and a count per row");
+  const int64_t B = static_cast<int64_t>(starts.size());
+  TORCH_CHECK(B > 0 && static_cast<int64_t>(rows.size()) == B && static_cast<int64_t>(counts.size()) == B,
+              "kvfleet_cpu_decode: a start, a row count and a proposal count per request");
+  TORCH_CHECK(ids_in.dim() == 1 && ids_in.scalar_type() == at::kLong, "kvfleet_cpu_decode: ids must be int64 [T]");
   TORCH_CHECK(tables_in.dim() == 2 && tables_in.size(0) == B && tables_in.scalar_type() == at::kLong,
               "kvfleet_cpu_decode: tables must be int64 [B, W]");
   TORCH_CHECK(head.size() == 4, "kvfleet_cpu_decode: the head is (weight, packed, tiles, bias)");
   const Linear lm_head = linear_at(head, 0, head_few_below);
-  const at::Tensor tables = tables_in.contiguous();
-  const int64_t W = tables.size(1), blocks = k_caches.empty() ? 0 : k_caches[0].size(0);
-  const int64_t* tp = tables.const_data_ptr<int64_t>();
-  const int64_t most = counts.empty() ? 1 : *std::max_element(counts.begin(), counts.end());
-  at::Tensor out = at::full({B, std::max<int64_t>(most - 1, 0)}, -1, first.options());
-  at::Tensor tokens = first;
+  const at::Tensor tables = tables_in.contiguous(), ids = ids_in.contiguous();
+  const DraftForward forward{stack, lm_head, embed, cos_table, sin_table, tables.const_data_ptr<int64_t>(),
+                             tables.size(1), k_caches.empty() ? 0 : k_caches[0].size(0), block_size};
+  std::vector<int64_t> req, pos, sample, base(B);
+  for (int64_t i = 0; i < B; ++i) {
+    TORCH_CHECK(rows[i] >= 1 && counts[i] >= 1, "kvfleet_cpu_decode: request ", i, " needs a row and a proposal");
+    for (int64_t r = 0; r < rows[i]; ++r) {
+      req.push_back(i);
+      pos.push_back(starts[i] + r);
+    }
+    sample.push_back(static_cast<int64_t>(pos.size()) - 1);
+    base[i] = starts[i] + rows[i] - 1;
+  }
+  TORCH_CHECK(ids.numel() == static_cast<int64_t>(pos.size()), "kvfleet_cpu_decode: ", pos.size(),
+              " rows but ", ids.numel(), " ids");
+  const int64_t most = *std::max_element(counts.begin(), counts.end());
+  at::Tensor out = at::full({B, most}, -1, ids.options());
+  at::Tensor tokens = forward(ids, req, pos, sample);
+  out.select(1, 0).copy_(tokens);
+  const double first_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count();
   std::vector<int64_t> active(B);
   for (int64_t i = 0; i < B; ++i) active[i] = i;
   for (int64_t j = 1; j < most; ++j) {
-    std::vector<int64_t> keep, still;  // positions in `active` that go on, and their rows
+    std::vector<int64_t> keep, still;  // positions in `active` that go on, and their requests
     for (size_t a = 0; a < active.size(); ++a)
       if (counts[active[a]] > j) {
         keep.push_back(static_cast<int64_t>(a));
         still.push_back(active[a]);
       }
     if (still.size() != active.size()) {
-      tokens = tokens.index_select(0, at::tensor(keep, first.options()));
+      tokens = tokens.index_select(0, at::tensor(keep, ids.options()));
       active = still;
     }
     const int64_t n = static_cast<int64_t>(active.size());
-    std::vector<int64_t> pos(n), slots(n), lens(n);
-    at::Tensor rt = at::empty({n, W}, tables.options());
+    std::vector<int64_t> next(n), every(n);
     for (int64_t a = 0; a < n; ++a) {
-      const int64_t r = active[a];
-      pos[a] = base[r] + j;
-      const int64_t b = pos[a] / block_size;
-      TORCH_CHECK(pos[a] >= 0 && b < W, "kvfleet_cpu_decode: row ", r, "'s position ", pos[a],
-                  " is past its block table");
-      const int64_t id = tp[r * W + b];
-      TORCH_CHECK(id >= 0 && id < blocks, "kvfleet_cpu_decode: row ", r, ": block id ", id, " out of range");
-      slots[a] = id * block_size + pos[a] % block_size;
-      lens[a] = pos[a] + 1;
-      std::memcpy(rt.mutable_data_ptr<int64_t>() + a * W, tp + r * W, static_cast<size_t>(W) * sizeof(int64_t));
+      next[a] = base[active[a]] + j;
+      every[a] = a;
     }
-    const at::Tensor positions = at::tensor(pos, first.options());
-    const at::Tensor x = at::embedding(embed, tokens);
-    stack.check(x);
-    const at::Tensor h = stack.run(x, cos_table.index_select(0, positions), sin_table.index_select(0, positions),
-                                   slots.data(), {Group{0, n, rt, at::tensor(lens, first.options())}});
-    tokens = row_argmax(lm_head(h));
-    out.select(1, j - 1).index_put_({at::tensor(active, first.options())}, tokens);
+    tokens = forward(tokens, active, next, every);
+    out.select(1, j).index_put_({at::tensor(active, ids.options())}, tokens);
   }
-  return out;
+  return {out, first_s};
 }
 
 }  // namespace
@@ -339,9 +378,9 @@ TORCH_LIBRARY(kvfleet_cpu_decode, m) {
         "Tensor[] v_caches, Tensor slot_mapping, int[] starts, int[] ends, Tensor[] tables, Tensor[] valid, "
         "Tensor final_norm, int num_heads, int num_kv_heads, int head_dim, float eps, float scale) -> Tensor",
         &decode_forward);
-  m.def("propose_greedy(Tensor first, int[] base, int[] counts, Tensor tables, int block_size, Tensor embed, "
-        "Tensor?[] head, int head_few_below, Tensor cos_table, Tensor sin_table, Tensor?[] tensors, int[] few_below, "
-        "Tensor[] k_caches, Tensor[] v_caches, Tensor final_norm, int num_heads, int num_kv_heads, int head_dim, "
-        "float eps, float scale) -> Tensor",
+  m.def("propose_greedy(Tensor ids, int[] starts, int[] rows, int[] counts, Tensor tables, int block_size, "
+        "Tensor embed, Tensor?[] head, int head_few_below, Tensor cos_table, Tensor sin_table, Tensor?[] tensors, "
+        "int[] few_below, Tensor[] k_caches, Tensor[] v_caches, Tensor final_norm, int num_heads, int num_kv_heads, "
+        "int head_dim, float eps, float scale) -> (Tensor, float)",
         &propose_greedy);
 }

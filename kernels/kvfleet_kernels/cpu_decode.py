@@ -63,15 +63,19 @@ def decode_forward(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, stack:
                                  list(ends), list(tables), list(valid), *rest))
 
 
-def propose_greedy(first: torch.Tensor, base: Sequence[int], counts: Sequence[int], tables: torch.Tensor,
-                   block_size: int, embed: torch.Tensor, head: Sequence[torch.Tensor | None], head_few_below: int,
-                   rope: tuple[torch.Tensor, torch.Tensor], stack: Stack) -> torch.Tensor:
-    """A draft's greedy proposals after its first, in one call: row i feeds first[i] at base[i] + 1 and proposes
-    until it has counts[i] (the first included). Returns int64 [B, max(counts) - 1], -1 past a row's count.
+def propose_greedy(ids: torch.Tensor, starts: Sequence[int], rows: Sequence[int], counts: Sequence[int],
+                   tables: torch.Tensor, block_size: int, embed: torch.Tensor, head: Sequence[torch.Tensor | None],
+                   head_few_below: int, rope: tuple[torch.Tensor, torch.Tensor],
+                   stack: Stack) -> tuple[torch.Tensor, float]:
+    """A draft's greedy run in one call. First forward: request i's rows[i] tokens (ids, in request order: what its
+    K/V lacks, then its newest token) at positions starts[i] onwards, its last row proposing; then it feeds each
+    request its last proposal until it has counts[i]. Returns (int64 [B, max(counts)], -1 past a request's count;
+    the seconds until the first proposals were known).
 
     tables [B, W] int64; head: the LM head's (weight, packed, tiles, bias), run as a linear with head_few_below;
     rope: the rotary (cos, sin) tables [max_positions, head_dim]. Needs available().
     """
     op = torch.ops.kvfleet_cpu_decode.propose_greedy.default
-    return cast(torch.Tensor, op(first, list(base), list(counts), tables, block_size, embed, list(head),
-                                 head_few_below, *rope, *stack.args()))
+    out, first_s = op(ids, list(starts), list(rows), list(counts), tables, block_size, embed, list(head),
+                      head_few_below, *rope, *stack.args())
+    return cast(torch.Tensor, out), float(first_s)

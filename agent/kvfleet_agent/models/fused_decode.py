@@ -110,13 +110,13 @@ class FusedDecode:
         groups = [(g.start, g.end, g.flat_block_index, g.valid) for g in meta.decode_groups]
         return cpu_decode.decode_forward(x, cos, sin, self._bound(), meta.slot_mapping, groups)
 
-    def propose_greedy(self, first: torch.Tensor, base: list[int], counts: list[int], tables: torch.Tensor,
-                       block_size: int) -> torch.Tensor | None:
-        """A draft's greedy proposals after its first (cpu_decode.propose_greedy: the whole loop of forwards, LM
-        head and argmax in one call), or None where the op cannot run them: the caller loops instead."""
+    def propose_greedy(self, ids: torch.Tensor, starts: list[int], rows: list[int], counts: list[int],
+                       tables: torch.Tensor, block_size: int) -> tuple[torch.Tensor, float] | None:
+        """A draft's greedy run in one call (cpu_decode.propose_greedy: the catch-up forward, then the loop of
+        forwards, LM head and argmax), or None where the op cannot run it: the caller runs the modules instead."""
         head, embed = self.model.lm_head, self.model.embed_tokens.weight
         if not self._runs(embed) or head.tp.size != 1:
             return None
-        return cpu_decode.propose_greedy(first, base, counts, tables, block_size, embed,
+        return cpu_decode.propose_greedy(ids, starts, rows, counts, tables, block_size, embed,
                                          [head.weight, head.packed, head.tiles, None], head.few_below,
                                          (self.rope.cos, self.rope.sin), self._bound())

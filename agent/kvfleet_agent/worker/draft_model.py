@@ -184,6 +184,8 @@ class DraftModel:
         if not rows:
             return {}
         chunks, rows = self._catch_up(rows)
+        if len(rows) == len(chunks) and self._in_one_call(chunks, rows, started):
+            return {r.request_id: r.tokens[1:] for r in rows}
         # What a verification leaves stale is a few tokens: they run as decode rows (one call of decode attention
         # in place, the one-call stack on CPU) rather than a prefill; a new prompt's catch-up stays a prefill.
         plan, order = plan_batch(chunks, self.block_size, CATCH_UP_ROWS)
@@ -204,6 +206,34 @@ class DraftModel:
             if r.q:
                 self.proposed[r.request_id] = (r.tokens[1:], torch.stack(r.q))
         return {r.request_id: r.tokens[1:] for r in rows}
+
+    def _in_one_call(self, chunks: list[ScheduledChunk], rows: list[_Row], started: float) -> bool:
+        """The whole run in one C++ call where it can go (FusedDecode.propose_greedy: greedy rows on CPU, every
+        catch-up a few decode rows): the first forward over each row's catch-up, then the proposals after it. The
+        rows keep plan_batch's order (by where the catch-up starts), so every row's bits are the Python path's."""
+        fused = self.model.fused_decode
+        if not isinstance(fused, FusedDecode) or not all(r.params.greedy for r in rows) or \
+                any(len(c.token_ids) > CATCH_UP_ROWS for c in chunks):
+            return False
+        pairs = sorted(zip(chunks, rows, strict=True), key=lambda p: p[0].start_pos)
+        tables = np.zeros((len(pairs), max(len(r.table) for r in rows)), dtype=np.int64)
+        for i, (_, r) in enumerate(pairs):
+            tables[i, :len(r.table)] = r.table
+        ids = torch.tensor([t for c, _ in pairs for t in c.token_ids], dtype=torch.long, device=self.device)
+        before = time.perf_counter()
+        run = fused.propose_greedy(ids, [c.start_pos for c, _ in pairs], [len(c.token_ids) for c, _ in pairs],
+                                   [r.count for _, r in pairs], torch.from_numpy(tables).to(self.device),
+                                   self.block_size)
+        if run is None:
+            return False
+        out, first_s = run
+        self.forwards = max(r.count for r in rows)
+        self.first_s = before - started + first_s
+        for (c, r), proposed in zip(pairs, out.tolist(), strict=True):
+            self.slots.computed(c.request_id, c.block_table, c.start_pos, c.start_pos + len(c.token_ids))
+            r.tokens += proposed[:r.count]
+            self.slots.proposed(r.request_id, r.pos, r.tokens[:-1])
+        return True
 
     def _catch_up(self, rows: list[_Row]) -> tuple[list[ScheduledChunk], list[_Row]]:
         """Each row's chunk for the draft's first forward: its stale positions (the tokens the target wrote there),
@@ -238,12 +268,15 @@ class DraftModel:
             tables[i, :len(r.table)] = r.table
         fused = self.model.fused_decode
         if isinstance(fused, FusedDecode) and all(r.params.greedy for r in rows):
-            rest = fused.propose_greedy(first, [r.pos for r in rows], [r.count for r in rows],
-                                        torch.from_numpy(tables).to(self.device), self.block_size)
-            if rest is not None:  # the whole loop ran in one call
-                self.forwards += int(max(r.count for r in rows)) - 1
-                for r, t, more in zip(rows, first.tolist(), rest.tolist(), strict=True):
-                    r.tokens += [t, *more[:r.count - 1]]
+            more = [i for i, r in enumerate(rows) if r.count > 1]
+            run = fused.propose_greedy(first[more], [rows[i].pos + 1 for i in more], [1] * len(more),
+                                       [rows[i].count - 1 for i in more], torch.from_numpy(tables[more]).to(
+                                           self.device), self.block_size) if more else None
+            if run is not None or not more:  # the whole loop ran in one call
+                self.forwards += max(r.count for r in rows) - 1
+                rest = dict(zip(more, run[0].tolist(), strict=True)) if run is not None else {}
+                for i, (r, t) in enumerate(zip(rows, first.tolist(), strict=True)):
+                    r.tokens += [t, *rest.get(i, [])[:r.count - 1]]
                 return
         base = np.asarray([r.pos for r in rows], dtype=np.int64)
         counts = np.asarray([r.count for r in rows])
