@@ -15,7 +15,6 @@ from kvfleet_agent.core.spec_switch import (
     MARGIN,
     MIN_SAMPLES,
     SpecSwitch,
-    Z,
     bucket,
 )
 
@@ -147,23 +146,12 @@ def noisy(switch: SpecSwitch, batch: int, rate_on: float, rate_off: float, steps
     return chosen
 
 
-@pytest.mark.parametrize(("rate_on", "z", "most_on"), [(800.0, Z, 0.03), (800.0, 0.0, 1.0), (1600.0, Z, 1.0)])
-def test_under_jitter_speculation_is_taken_up_only_on_a_win_the_noise_cannot_explain(rate_on: float, z: float,
-                                                                                    most_on: float,
-                                                                                    monkeypatch: pytest.MonkeyPatch
-                                                                                    ) -> None:
-    """Speculating at 0.8x of off on a machine whose speed wanders: an exploring run of a few steps sometimes lands
-    in a faster spell than the stable mode's recent steps. Taken up on such a run (z = 0: the margin alone),
-    speculation loses until its slow steps show it; with Z standard errors required it is taken up less than half as
-    often (the rest of its share is exploring). A real win (1.6x) is still taken up and kept."""
-    monkeypatch.setattr("kvfleet_agent.core.spec_switch.Z", z)
-    shares = []
+@pytest.mark.parametrize("rate_on", [800.0, 1600.0])
+def test_on_a_wandering_machine_a_losing_mode_costs_little_and_a_winning_one_is_kept(rate_on: float) -> None:
+    """Exploring runs land in faster or slower spells than the stable mode's recent steps, so now and then
+    speculation at 0.8x of off reads faster and is taken up until its steps show otherwise: over six seeds that
+    costs at most 2% of off's throughput (at most a tenth of the steps at 0.8x). A real win is kept."""
     for seed in range(6):
         tail = noisy(SpecSwitch(), 8, rate_on, 1000.0, 2 * MIN_SAMPLES + 3000, seed)[2 * MIN_SAMPLES:]
-        shares.append(sum(tail) / len(tail))
-    if rate_on > 1000.0:
-        assert min(shares) > 0.95, shares
-    elif z:
-        assert max(shares) < most_on, shares
-    else:
-        assert max(shares) > 0.03, shares  # the control: the margin alone is fooled
+        share = sum(tail) / len(tail)
+        assert share > 0.95 if rate_on > 1000.0 else share < 0.1, (seed, share)

@@ -19,12 +19,8 @@ and learning there would never end: such steps take the verdict of the nearest b
 larger on a tie: not speculating is the cheaper bet), or do not speculate while none has. A draft model would
 otherwise speculate in every mixed step at the start of a batch, and pay a catch-up for each.
 
-Speculation must win by MARGIN, and by Z standard errors of the difference, to be taken up (and is kept while it
-wins at all). The errors come from the bucket's step-to-step jitter (the relative spread of single steps' rates about
-their mode's, which on a shared VM is 10-30% whatever the mode) and how many recent steps each rate holds: an
-exploring run's two or three steps against the stable mode's tens cannot prove a small win, and a draft model taken
-up on a noisy run pays a catch-up each time it is proved wrong. A step's tokens per second do not see all speculation
-costs. Requests that speculate finish at different times, so a batch runs its tail smaller; a
+Speculation must win by MARGIN to be taken up (and is kept while it wins at all): a step's tokens per second do not
+see all it costs. Requests that speculate finish at different times, so a batch runs its tail smaller; a
 verification's ITL varies more; rejected drafts take KV slots. Where the two modes are within the margin, not
 speculating is the cheaper bet.
 """
@@ -39,8 +35,6 @@ EXPLORE_EVERY_FAR = 256
 EXPLORE_RUN = 3
 FAR = 0.75  # the worse mode's share of the better's rate below which it is explored EXPLORE_EVERY_FAR
 MARGIN = 0.05  # speculating must deliver this much more than not to be chosen
-Z = 2.0  # standard errors by which speculation must win, beyond MARGIN, to be taken up
-JITTER_WEIGHT = 0.05  # the weight of each step in the bucket's running mean of squared relative deviations
 EXPLORE_BUDGET = 0.01  # the share of the time that exploring runs (transitions and their steps) may lose while off
 MIN_SAMPLES = 8  # steps of each mode in a bucket before the comparison is trusted (a verification yields 0..k)
 # Per step of the bucket, whichever mode ran it: a mode's rate forgets with age, not with its own observations, so
@@ -90,7 +84,6 @@ class SpecSwitch:
         self.speculating: dict[int, bool] = {}  # the bucket's chosen mode, outside its exploring runs
         self.explore_at: dict[int, int] = {}  # the bucket's step where its next exploring run starts
         self.transition_s: dict[int, float] = {}  # the seconds of a transition into speculation, weighted
-        self.jitter2: dict[int, float] = {}  # squared relative deviation of a step's rate from its mode's, averaged
 
     def choose(self, batch: int, measured: bool = True) -> bool:
         """Whether this step should speculate (a step of `batch` decode requests; measured: it will be observed, no
@@ -107,13 +100,7 @@ class SpecSwitch:
         # Hysteresis: speculation is taken up when it wins by MARGIN and given up only when it stops winning, so
         # rates that wander about the margin (a verification yields 0..k tokens) do not flip the mode every few
         # steps; a flip costs a draft model a catch-up of every token it skipped.
-        if self.speculating.get(b):
-            best = on.rate > off.rate
-        else:
-            spread = math.sqrt(self.jitter2.get(b, 0.0)) * math.hypot(on.rate / math.sqrt(on.weight),
-                                                                        off.rate / math.sqrt(off.weight))
-            best = on.rate > off.rate * (1 + MARGIN) + Z * spread
-        self.speculating[b] = best
+        best = self.speculating[b] = on.rate > off.rate * (1 + (0.0 if self.speculating.get(b) else MARGIN))
         worse, better = sorted((on.rate, off.rate))
         every = EXPLORE_EVERY_FAR if worse < FAR * better else EXPLORE_EVERY
         if not best and off.step_s > 0 and off.rate > 0:
@@ -144,11 +131,7 @@ class SpecSwitch:
         """A pure-decode step of `batch` requests delivered `tokens` tokens in `seconds`."""
         if tokens > 0 and seconds > 0:
             b = bucket(batch)
-            rate = self.rates.setdefault((b, speculated), _Rate())
-            rate.add(tokens, seconds, self.decisions.get(b, 0))
-            dev = (tokens / seconds / rate.rate - 1.0) ** 2
-            old = self.jitter2.get(b)
-            self.jitter2[b] = dev if old is None else (1 - JITTER_WEIGHT) * old + JITTER_WEIGHT * dev
+            self.rates.setdefault((b, speculated), _Rate()).add(tokens, seconds, self.decisions.get(b, 0))
 
     def observe_transition(self, batch: int, seconds: float) -> None:
         """The first step of speculation after steps without took `seconds`, its catch-up included."""
