@@ -155,3 +155,17 @@ def test_on_a_wandering_machine_a_losing_mode_costs_little_and_a_winning_one_is_
         tail = noisy(SpecSwitch(), 8, rate_on, 1000.0, 2 * MIN_SAMPLES + 3000, seed)[2 * MIN_SAMPLES:]
         share = sum(tail) / len(tail)
         assert share > 0.95 if rate_on > 1000.0 else share < 0.1, (seed, share)
+
+
+def test_while_speculating_off_is_explored_as_often_as_the_budget_allows() -> None:
+    """Speculating at 1.4x of off: off's exploring runs cost no transition, only their steps' shortfall, and they are
+    the only check that speculation still pays (one run in a slow spell reads off far behind). They come as often as
+    keeps that shortfall within EXPLORE_BUDGET of the time, not EXPLORE_EVERY_FAR apart."""
+    switch = SpecSwitch()
+    chosen = drive(switch, 8, rate_on=1400.0, rate_off=1000.0, steps=2 * MIN_SAMPLES + 2000)
+    tail = chosen[2 * MIN_SAMPLES:]
+    starts = [i for i in range(1, len(tail)) if not tail[i] and tail[i - 1]]
+    gap = EXPLORE_RUN * (100 / 1000.0) * (1 - 1000.0 / 1400.0) / (EXPLORE_BUDGET * 100 / 1400.0)
+    assert gap < EXPLORE_EVERY_FAR
+    assert len(starts) >= 10
+    assert all(0.99 * gap <= b - a <= gap + EXPLORE_RUN + 1 for a, b in itertools.pairwise(starts))

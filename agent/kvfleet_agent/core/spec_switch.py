@@ -101,15 +101,20 @@ class SpecSwitch:
         # rates that wander about the margin (a verification yields 0..k tokens) do not flip the mode every few
         # steps; a flip costs a draft model a catch-up of every token it skipped.
         best = self.speculating[b] = on.rate > off.rate * (1 + (0.0 if self.speculating.get(b) else MARGIN))
-        worse, better = sorted((on.rate, off.rate))
-        every = EXPLORE_EVERY_FAR if worse < FAR * better else EXPLORE_EVERY
+        every = EXPLORE_EVERY
         if not best and off.step_s > 0 and off.rate > 0:
             # What an exploring run costs against staying off: the transition (a draft model's catch-up), and its
             # steps' shortfall in tokens (EXPLORE_RUN steps at on's rate instead of off's), spaced to the budget.
             # A known transition is the run's first step whole (its catch-up and its tokens): the rest are charged.
-            steps = EXPLORE_RUN
-            cost = self.transition_s.get(b, 0.0) + steps * on.step_s * max(0.0, 1.0 - on.rate / off.rate)
+            every = EXPLORE_EVERY_FAR if on.rate < FAR * off.rate else EXPLORE_EVERY
+            cost = self.transition_s.get(b, 0.0) + EXPLORE_RUN * on.step_s * max(0.0, 1.0 - on.rate / off.rate)
             every = max(every, math.ceil(cost / (EXPLORE_BUDGET * off.step_s)))
+        elif best and on.step_s > 0 and on.rate > 0:
+            # Exploring off while speculating costs no transition, only its steps' shortfall: spaced by the budget
+            # alone. One run in a slow spell can read off as far behind, and off's runs are the only check that
+            # speculation still pays: spaced EXPLORE_EVERY_FAR, such a reading stood for hundreds of steps.
+            cost = EXPLORE_RUN * off.step_s * max(0.0, 1.0 - off.rate / on.rate)
+            every = max(every, math.ceil(cost / (EXPLORE_BUDGET * on.step_s)))
         # A draft model's run starts with its transition, which is not measured: one step more measures as many.
         run = EXPLORE_RUN + (1 if b in self.transition_s else 0)
         at = self.explore_at.setdefault(b, every)
