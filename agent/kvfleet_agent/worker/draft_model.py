@@ -60,6 +60,14 @@ class _Row:
     q: list[torch.Tensor] = field(default_factory=list)  # the draft distribution of each proposal (random only)
 
 
+def _block_tables(rows: Sequence[_Row]) -> np.ndarray:
+    """The rows' block tables as one int64 [rows, longest] array, zero-padded."""
+    tables = np.zeros((len(rows), max(len(r.table) for r in rows)), dtype=np.int64)
+    for i, r in enumerate(rows):
+        tables[i, :len(r.table)] = r.table
+    return tables
+
+
 class DraftModel:
     """The draft: the target's model class on a smaller checkpoint, unsharded, with its own paged K/V.
 
@@ -163,17 +171,17 @@ class DraftModel:
         self.forwards = 0
         self.first_s = 0.0
         k = self.k if k < 0 else min(k, self.k)
-        if k == 0:  # off for the next step: only count what each request emitted (max_tokens bounds proposals)
-            counts = self.num_output
-            for rid, new in emitted.items():
-                counts[rid] = counts.get(rid, 0) + len(new)
+        counts = self.num_output  # output tokens so far, counted whether or not it runs: max_tokens bounds proposals
+        for rid, new in emitted.items():
+            counts[rid] = counts.get(rid, 0) + len(new)
+        if k == 0:  # off for the next step
             return {}
         rows: list[_Row] = []
         for c in samplers:
             out = emitted.get(c.request_id)
             if not out:
                 continue
-            count = self.num_output[c.request_id] = self.num_output.get(c.request_id, 0) + len(out)
+            count = counts[c.request_id]
             pos = c.start_pos + len(c.token_ids) - len(c.draft) + len(out) - 1
             # The speculator's room (max_tokens, max_model_len) and the blocks the scheduler's lookahead got.
             n = min(k, c.sampling_params.max_tokens - count - 1, self.max_model_len - pos - 2,
@@ -216,9 +224,7 @@ class DraftModel:
                 any(len(c.token_ids) > CATCH_UP_ROWS for c in chunks):
             return False
         pairs = sorted(zip(chunks, rows, strict=True), key=lambda p: p[0].start_pos)
-        tables = np.zeros((len(pairs), max(len(r.table) for r in rows)), dtype=np.int64)
-        for i, (_, r) in enumerate(pairs):
-            tables[i, :len(r.table)] = r.table
+        tables = _block_tables([r for _, r in pairs])
         ids = torch.tensor([t for c, _ in pairs for t in c.token_ids], dtype=torch.long, device=self.device)
         before = time.perf_counter()
         run = fused.propose_greedy(ids, [c.start_pos for c, _ in pairs], [len(c.token_ids) for c, _ in pairs],
@@ -262,10 +268,7 @@ class DraftModel:
         Greedy rows on CPU run the whole loop in one call (FusedDecode.propose_greedy); elsewhere the tokens stay on
         the device from step to step, and one host transfer at the end reads them all.
         """
-        width = max(len(r.table) for r in rows)
-        tables = np.zeros((len(rows), width), dtype=np.int64)
-        for i, r in enumerate(rows):
-            tables[i, :len(r.table)] = r.table
+        tables = _block_tables(rows)
         fused = self.model.fused_decode
         if isinstance(fused, FusedDecode) and all(r.params.greedy for r in rows):
             more = [i for i, r in enumerate(rows) if r.count > 1]
