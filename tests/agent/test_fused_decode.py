@@ -58,11 +58,11 @@ def tokens(llm: LLM, params: SamplingParams, prompts: list[Any] = PROMPTS) -> li
     return [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
 
 
-def qwen3_checkpoint(out: Path, tokenizer_from: str) -> str:
+def qwen3_checkpoint(out: Path, tokenizer_from: str, seed: int = 3) -> str:
     """A 2-layer Qwen3 (per-head q/k norms) made and saved by transformers itself."""
     import transformers
 
-    torch.manual_seed(3)
+    torch.manual_seed(seed)
     config = transformers.Qwen3Config(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                                       num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=512,
                                       max_position_embeddings=128, tie_word_embeddings=False)
@@ -176,3 +176,18 @@ def test_a_drafts_greedy_proposals_in_one_call_are_the_loops(dtype: str, tiny_ch
     assert calls > 0 and none == 0
     assert fused == looped
     assert sum(len(t) for s in fused for t in s.values()) > 40
+
+
+def test_a_transformers_saved_pair_proposes_in_one_call_what_the_loop_does(tiny_checkpoint: Callable[..., str],
+                                                                          tmp_path: Path) -> None:
+    """The one-call run (catch-up rows, then the proposals) on a Qwen3 target and draft that transformers made and
+    saved: every step's proposals are the modules' loop's, including after verifications that rejected drafts."""
+    target = qwen3_checkpoint(tmp_path / "target", tiny_checkpoint("llama"))
+    draft = qwen3_checkpoint(tmp_path / "draft", tiny_checkpoint("llama"), seed=11)
+    spec = {"method": "draft_model", "model": draft, "num_speculative_tokens": 3, "adaptive": False}
+    prompts = [{"prompt_token_ids": [7 + i, 40, 3 * i + 90, 12] * (2 + i % 3)} for i in range(4)]
+    params = [SamplingParams(max_tokens=10 + 2 * i, temperature=0.0, ignore_eos=True) for i in range(4)]
+    fused, calls = proposals(target, "float32", spec, prompts, params, one_call=True)
+    looped, none = proposals(target, "float32", spec, prompts, params, one_call=False)
+    assert calls > 0 and none == 0 and fused == looped
+    assert sum(len(t) for s in fused for t in s.values()) > 30
