@@ -5,6 +5,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 
 // A bfloat16 (its bits, the upper half of a float's) as that float: exact.
@@ -34,6 +35,18 @@ static inline bool has_avx2() {
   return yes;
 }
 
+#define KVF_AVX512 __attribute__((target("avx512f,fma")))
+
+// Whether this CPU runs the AVX-512 paths (checked once). KVFLEET_CPU_AVX512=0 keeps the AVX2 ones (tests compare the
+// two, which must agree bit for bit).
+static inline bool has_avx512() {
+  static const bool yes = [] {
+    const char* env = std::getenv("KVFLEET_CPU_AVX512");
+    return __builtin_cpu_supports("avx512f") && has_avx2() && !(env != nullptr && std::strcmp(env, "0") == 0);
+  }();
+  return yes;
+}
+
 // e^x (Cephes' expf: reduction by ln 2, degree-5 polynomial; ~2 ulp). Above 88 it gives inf (e^88.72 is float's
 // largest), below -87 about e^-87 rather than 0: beside a softmax's max of 1, or in silu's 1 + e^-g, the same.
 KVF_AVX2 static inline __m256 exp8(__m256 x) {
@@ -51,4 +64,5 @@ KVF_AVX2 static inline __m256 exp8(__m256 x) {
 }
 #else
 static inline bool has_avx2() { return false; }
+static inline bool has_avx512() { return false; }
 #endif

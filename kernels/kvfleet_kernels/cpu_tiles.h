@@ -90,6 +90,60 @@ KVF_AVX2 void rows_avx2(const float* x, int64_t lda, int64_t rows, const W* wt, 
     }
   }
 }
+// AVX-512: a 16-wide k-row is one register. Each row keeps S partial sums (k mod S), added at the end in one fixed
+// order ((s0 + s1) + (s2 + s3)): one row's sum is then S independent FMA chains rather than one, where a chain
+// stalls on the FMA's latency (4 cycles) and a decode's single row would run at a quarter of the FMA rate. The order
+// is the same for every R, so as above a row's result does not depend on its block; it differs from the AVX2 path's
+// (one chain), so results agree with that path to rounding, not bit for bit.
+constexpr int64_t S512 = 4;
+
+KVF_AVX512 inline __m512 load16x(const float* p) { return _mm512_loadu_ps(p); }
+
+KVF_AVX512 inline __m512 load16x(const int8_t* p) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+}
+
+template <class W, int R>
+KVF_AVX512 void rows_avx512_block(const float* x, int64_t lda, const W* wt, int64_t K, float* c) {
+  __m512 acc[R][S512];
+  KVF_UNROLL
+  for (int r = 0; r < R; ++r)
+    KVF_UNROLL
+    for (int s = 0; s < S512; ++s) acc[r][s] = _mm512_setzero_ps();
+  int64_t k = 0;
+  for (; k + S512 <= K; k += S512) {
+    KVF_UNROLL
+    for (int s = 0; s < S512; ++s) {
+      const __m512 b = load16x(wt + (k + s) * NR);
+      KVF_UNROLL
+      for (int r = 0; r < R; ++r) acc[r][s] = _mm512_fmadd_ps(_mm512_set1_ps(x[r * lda + k + s]), b, acc[r][s]);
+    }
+  }
+  for (int s = 0; k < K; ++k, ++s) {  // the last K mod S k-rows, each into its own partial sum as above
+    const __m512 b = load16x(wt + k * NR);
+    KVF_UNROLL
+    for (int r = 0; r < R; ++r) acc[r][s] = _mm512_fmadd_ps(_mm512_set1_ps(x[r * lda + k]), b, acc[r][s]);
+  }
+  KVF_UNROLL
+  for (int r = 0; r < R; ++r)
+    _mm512_storeu_ps(c + r * NR, _mm512_add_ps(_mm512_add_ps(acc[r][0], acc[r][1]), _mm512_add_ps(acc[r][2], acc[r][3])));
+}
+
+template <class W>
+KVF_AVX512 void rows_avx512(const float* x, int64_t lda, int64_t rows, const W* wt, int64_t K, float* c) {
+  for (int64_t r0 = 0; r0 < rows; r0 += MR) {
+    const float* xr = x + r0 * lda;
+    float* cr = c + r0 * NR;
+    switch (std::min(rows - r0, MR)) {
+      case 1: rows_avx512_block<W, 1>(xr, lda, wt, K, cr); break;
+      case 2: rows_avx512_block<W, 2>(xr, lda, wt, K, cr); break;
+      case 3: rows_avx512_block<W, 3>(xr, lda, wt, K, cr); break;
+      case 4: rows_avx512_block<W, 4>(xr, lda, wt, K, cr); break;
+      case 5: rows_avx512_block<W, 5>(xr, lda, wt, K, cr); break;
+      default: rows_avx512_block<W, 6>(xr, lda, wt, K, cr); break;
+    }
+  }
+}
 #endif
 
 // y[r, 16t + j] = c[r, j] (· scale[16t + j]) for the columns that exist (the last tile may be partial).
@@ -119,7 +173,7 @@ at::Tensor tiled_linear(const at::Tensor& x_in, const at::Tensor& wp, const floa
   const float* xp = x.const_data_ptr<float>();
   const W* w = wp.const_data_ptr<W>();
   float* yp = y.mutable_data_ptr<float>();
-  const bool avx2 = has_avx2() && !portable;
+  const bool avx2 = has_avx2() && !portable, avx512 = has_avx512() && !portable;
   // Enough tiles per task that a thread's share outweighs waking it (~64K multiply-adds).
   const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 16) / (NR * K * std::min(M, MC)));
   at::parallel_for(0, NT, grain, [&](int64_t t0, int64_t t1) {
@@ -131,7 +185,9 @@ at::Tensor tiled_linear(const at::Tensor& x_in, const at::Tensor& wp, const floa
       for (int64_t t = t0; t < t1; ++t) {
         const W* wt = w + t * K * NR;
 #ifdef KVF_X86
-        if (avx2)
+        if (avx512)
+          rows_avx512<W>(xm, lda, rows, wt, K, c.data());
+        else if (avx2)
           rows_avx2<W>(xm, lda, rows, wt, K, c.data());
         else
 #endif

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import os
 import shutil
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -103,3 +105,18 @@ def test_a_rows_result_does_not_depend_on_the_rows_beside_it() -> None:
     for m in (1, 2, 3, 5, 9):
         assert torch.equal(cpu_f32.linear(x[:m], tiles, 70), whole[:m])
     assert torch.equal(cpu_f32.linear(x[7:8], tiles, 70), whole[7:8])
+
+
+def test_the_avx2_loop_where_avx512_runs() -> None:
+    """KVFLEET_CPU_AVX512=0 keeps the AVX2 loop on a CPU with AVX-512 (read once per process: a child runs it). Both
+    loops match the reference; they sum in different orders (AVX-512 splits k four ways), so only to rounding."""
+    code = ("import torch; from kvfleet_kernels import cpu_f32; assert cpu_f32.available(); "
+            "g = torch.Generator().manual_seed(0); "
+            "x = torch.randn(7, 129, generator=g); w = torch.randn(70, 129, generator=g); "
+            "y = cpu_f32.linear(x, cpu_f32.pack(w), 70); ref = x.double() @ w.double().T; "
+            "print(float((y.double() - ref).norm() / ref.norm()))")
+    for flag in ("0", "1"):
+        env = {**os.environ, "KVFLEET_CPU_AVX512": flag}
+        out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+        assert out.returncode == 0, out.stderr
+        assert float(out.stdout.strip().splitlines()[-1]) < 1e-5
