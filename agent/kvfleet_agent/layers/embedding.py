@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvfleet_agent.layers.gemm_crossover import NEVER
+from kvfleet_agent.layers.gemm_crossover import HEAD_COPY_MAX, NEVER
 from kvfleet_agent.layers.linear import SINGLE, attach_loader, can_pack, few_row_path, few_rows, linear, pack
 from kvfleet_agent.layers.tp_group import TPGroup
 from kvfleet_agent.layers.weights import CheckpointTensor
@@ -50,25 +50,19 @@ class ParallelLMHead(VocabParallelEmbedding):
 
     packed: torch.Tensor | None = None
     tied = False  # the model shares this weight with its embedding table (which still reads it)
-    # Off by default: a request's logits would then depend on how many rows the head ran (one sampled row in a
-    # decode, every prompt row for prompt logprobs), and echo's logprobs must equal a plain completion's.
-    few_rows_ok = False
-    few_below = NEVER  # rows below which the few-row path runs (with few_rows_ok)
+    # Rows below which the few-row path runs: a step's head reads one row a decode, where oneDNN's packed call costs
+    # more than the read (a 4,096 x 256 head: 180 us in a step against 110). A row's logits then depend on how many
+    # rows share its call: the runner passes the sample rows alone, so a completion's logits do not change when a
+    # request beside it, or the request itself (echo), also asks for prompt logprobs.
+    few_below = NEVER
     tiles: torch.Tensor | None = None
 
-    def allow_few_rows(self) -> None:
-        """Let few rows take the few-row path (linear.few_row_path), decided by pack_weights: for a head whose
-        logits need not be the same whatever rows run beside them, as a draft model's (the target checks its
-        proposals; a random request's draft distribution is the one it drew from). A draft proposes one row a
-        request, where oneDNN's packed call costs more than reading its weight."""
-        self.few_rows_ok = True
-
     def pack_weights(self) -> None:
-        """Prepack the (possibly tied) weight for the CPU fast path; an untied one then keeps only the packed copy
-        (and the few-row path's, with few_rows_ok)."""
+        """Prepack the (possibly tied) weight for the CPU fast path, and the few-row path's copy where it wins and the
+        weight is at most HEAD_COPY_MAX; an untied weight then keeps only those copies."""
         self.packed = pack(self.weight) if can_pack(self.weight) else None
-        if self.packed is not None and self.few_rows_ok:
-            self.tiles, self.few_below = few_row_path(self.weight, self.packed)
+        if self.packed is not None:
+            self.tiles, self.few_below = few_row_path(self.weight, self.packed, HEAD_COPY_MAX)
         if self.packed is not None and not self.tied and (self.few_below == NEVER or self.tiles is not None):
             self.weight = nn.Parameter(torch.empty_like(self.weight, device="meta"), requires_grad=False)
 

@@ -19,6 +19,8 @@ import torch
 log = logging.getLogger(__name__)
 
 KEEP_DENSE_MAX = 1 << 19  # elements (2 MiB in fp32): a second copy of a weight this small costs little memory
+# The LM head is one weight, not one a layer: its copy may be larger (16 MiB in fp32: a small model's vocabulary).
+HEAD_COPY_MAX = 1 << 22
 ROWS = (1, 2, 4, 8, 16, 32, 64)
 NEVER = 0  # a crossover of 0 rows: the packed path always
 Run = Callable[[torch.Tensor], torch.Tensor]
@@ -26,15 +28,16 @@ Run = Callable[[torch.Tensor], torch.Tensor]
 _measured: dict[tuple[int, int, int, str], int] = {}
 
 
-def keeps_copy(weight: torch.Tensor) -> bool:
-    """Whether the weight is small enough to hold a second copy for the few-row path."""
-    return weight.numel() <= KEEP_DENSE_MAX
+def keeps_copy(weight: torch.Tensor, limit: int = KEEP_DENSE_MAX) -> bool:
+    """Whether the weight is small enough (at most `limit` elements) to hold a second copy for the few-row path."""
+    return weight.numel() <= limit
 
 
-def crossover(weight: torch.Tensor, run_packed: Run, run_few: Run, few: str) -> int:
+def crossover(weight: torch.Tensor, run_packed: Run, run_few: Run, few: str, limit: int = KEEP_DENSE_MAX) -> int:
     """The fewest rows at which `run_packed(x)` is at least as fast as `run_few(x)`, the path named `few` (NEVER for a
-    weight too large to keep a second copy of); measured once per shape and thread count, with the caller's threads."""
-    if not keeps_copy(weight):
+    weight of more than `limit` elements, too large to keep a second copy of); measured once per shape and thread
+    count, with the caller's threads."""
+    if not keeps_copy(weight, limit):
         return NEVER
     out_f, in_f = weight.shape
     key = (int(out_f), int(in_f), torch.get_num_threads(), few)

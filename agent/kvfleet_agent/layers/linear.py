@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvfleet_agent.layers.gemm_crossover import NEVER, crossover, keeps_copy
+from kvfleet_agent.layers.gemm_crossover import KEEP_DENSE_MAX, NEVER, crossover, keeps_copy
 from kvfleet_agent.layers.quant.matmul import QuantMatmul
 from kvfleet_agent.layers.quant.onload import quantize
 from kvfleet_agent.layers.quant.weight import QuantWeight, cat_rows
@@ -71,14 +71,15 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return F.linear(x, weight, bias)
 
 
-def few_row_path(weight: torch.Tensor, packed: torch.Tensor) -> tuple[torch.Tensor | None, int]:
+def few_row_path(weight: torch.Tensor, packed: torch.Tensor,
+                 limit: int = KEEP_DENSE_MAX) -> tuple[torch.Tensor | None, int]:
     """A packed weight's few-row copy and the rows below which it runs (see gemm_crossover): kvfleet_kernels.cpu_f32's
     tiles where that kernel builds, else F.linear on the dense weight (None); NEVER rows for a weight too large to
     keep a second copy of. The dense weight can go unless the result is (None, rows > 0)."""
-    fp32_tiles = weight.dtype == torch.float32 and keeps_copy(weight) and cpu_f32.available()
+    fp32_tiles = weight.dtype == torch.float32 and keeps_copy(weight, limit) and cpu_f32.available()
     tiles = cpu_f32.pack(weight) if fp32_tiles else None
     rows = crossover(weight, lambda x: linear(x, weight, None, packed), lambda x: few_rows(x, weight, tiles, None),
-                     "F.linear" if tiles is None else "tiles")
+                     "F.linear" if tiles is None else "tiles", limit)
     return (None, NEVER) if rows <= 1 else (tiles, rows)  # packed from one row on: no second copy to keep
 
 

@@ -97,7 +97,6 @@ class DraftModel:
             self.model = LlamaForCausalLM(self.cfg, max_model_len, dtype, TPGroup()).to(dtype)
         self.loaded_bytes = load_weights(self.model, spec.model)
         self.model.eval()
-        self.model.lm_head.allow_few_rows()  # one row a request: the packed call costs more than the read
         for module in self.model.modules():  # CPU: oneDNN-prepacked GEMM weights, as the target's
             pack_weights = getattr(module, "pack_weights", None)
             if callable(pack_weights):
