@@ -160,3 +160,14 @@ def test_sync_after_truncation_matches_reference(
     grown = truncated + more
     idx.sync(grown)
     assert idx.propose(k) == reference(grown, min_n, max_n, k)
+
+
+def test_lookup_gives_the_match_length() -> None:
+    """lookup's second value is the length of the suffix it matched: the longest recurring one up to max_n."""
+    idx = NgramIndex(1, 4)
+    idx.extend([1, 2, 3, 4, 5, 9, 2, 3, 4])
+    assert idx.lookup(2) == ([5, 9], 3)  # [2, 3, 4] recurs; [9, 2, 3, 4] does not
+    idx.extend([7])
+    assert idx.lookup(2) == ([], 0)
+    idx.extend([1, 2, 3, 4])
+    assert idx.lookup(1) == ([5], 4)

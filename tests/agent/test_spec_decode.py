@@ -77,14 +77,14 @@ def oracle(monkeypatch: pytest.MonkeyPatch, llm_ref: list[CompletionOutput], pro
     probe.engine.shutdown()
     calls = [0]
 
-    def guess(self: Speculator, req: Request, room: int) -> list[int]:
+    def guess(self: Speculator, req: Request, room: int) -> tuple[list[int], int]:
         ref = refs[tuple(req.prompt_token_ids)]
         done = req.num_output_tokens
         out = list(ref[done:done + room])
         calls[0] += 1
         if out and calls[0] % 3 == 0:
             out[-1] = (out[-1] + 1) % 100
-        return out
+        return out, 0
 
     monkeypatch.setattr(Speculator, "_guess", guess)
 

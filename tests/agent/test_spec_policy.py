@@ -166,14 +166,33 @@ def test_new_requests_start_from_the_global_estimate_and_forget_drops_them() -> 
     assert policy.acceptance("new") == pytest.approx(0.6)
     for _ in range(50):
         policy.observe("old", 4, 1)  # α̂ = 1 / 2
-    assert policy.acceptance("new") == pytest.approx(policy.global_acceptance())
-    assert 0.45 < policy.global_acceptance() < 0.55
+    assert policy.acceptance("new") == pytest.approx(policy.kind_acceptance(0))
+    assert 0.45 < policy.global_acceptance() < 0.55 and 0.45 < policy.kind_acceptance(0) < 0.55
     assert policy.summary()["requests_tracked"] == 1.0
     policy.forget("old")
     assert policy.summary()["requests_tracked"] == 0.0
-    assert policy.acceptance("old") == policy.global_acceptance()
+    assert policy.acceptance("old") == policy.kind_acceptance(0)
     with pytest.raises(ValueError):
         policy.observe("x", 2, 3)
+
+
+def test_each_kind_of_proposal_learns_its_own_acceptance_and_drafts_by_it() -> None:
+    """An n-gram proposal's kind is its match length: long matches accepted almost always, short ones rarely. One
+    estimate per request drafted both alike; per kind, the same request drafts deep on a long match and not at all on
+    a short one, in the same step."""
+    policy = SpecPolicy(min_gain=0.3)
+    for _ in range(60):
+        policy.observe("r", 4, 4, kind=4)  # every draft accepted
+        policy.observe("r", 4, 0, kind=1)  # the first rejected
+    assert policy.acceptance("r", 4) > 0.9 > 0.1 > policy.acceptance("r", 1)
+    assert policy.kind_acceptance(4) > 0.9 > 0.1 > policy.kind_acceptance(1)
+    assert 0.3 < policy.global_acceptance() < 0.9  # what one estimate per request would have drafted both by
+    # A new request starts from each kind's estimate, not the global one.
+    assert policy.acceptance("new", 4) > 0.9 > 0.1 > policy.acceptance("new", 1)
+    plan = policy.plan([("long", 4), ("short", 4)], 0, kinds={"long": 4, "short": 1})
+    assert plan == {"long": 4, "short": 0}
+    alike = policy.plan([("long", 4), ("short", 4)], 0)  # without kinds: the global estimate for both
+    assert alike["long"] == alike["short"] > 0
 
 
 # ---------------------------------------------------------------------------------------------

@@ -75,7 +75,13 @@ class NgramIndex:
             node = child
 
     def propose(self, k: int) -> list[int]:
-        """Up to k tokens that followed the most recent earlier occurrence of the longest recurring suffix.
+        """Up to k tokens that followed the most recent earlier occurrence of the longest recurring suffix (lookup's
+        tokens)."""
+        return self.lookup(k)[0]
+
+    def lookup(self, k: int) -> tuple[list[int], int]:
+        """Up to k tokens that followed the most recent earlier occurrence of the longest recurring suffix, and that
+        suffix's length n (0 with no tokens): the longer the match, the likelier its continuation is accepted.
 
         The suffix length n is the largest in [min_n, max_n] whose n-gram occurred before (with a token
         after it), and none come back when no suffix of length min_n or more recurred. A continuation
@@ -84,11 +90,11 @@ class NgramIndex:
         predicted for end + j - period (a loop a model fell into is proposed for all k, not cut short).
         """
         if k <= 0:
-            return []
+            return [], 0
         toks = self._tokens
         end = len(toks)
         node = self._root
-        start = -1
+        start, matched = -1, 0
         # A deeper node exists only if every shallower one does, so the walk stops at the first miss;
         # the deepest node at depth >= min_n is the longest match, and its `last` the most recent one.
         for depth, i in enumerate(range(end - 1, max(end - self.max_n, 0) - 1, -1), start=1):
@@ -97,11 +103,11 @@ class NgramIndex:
                 break
             node = child
             if depth >= self.min_n:
-                start = node.last
+                start, matched = node.last, depth
         if start < 0:
-            return []
+            return [], 0
         out = toks[start:start + k]
         period = end - start
         while len(out) < k:
             out.append(out[len(out) - period])
-        return out
+        return out, matched

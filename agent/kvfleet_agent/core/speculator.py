@@ -59,6 +59,8 @@ class Speculator:
         self.indexes: dict[str, NgramIndex] = {}
         self.external: dict[str, list[int]] = {}  # a draft model's proposals for each request's next step
         self.shadow: dict[str, int] = {}  # first guesses not sent this step, checked against the sampled token
+        # Each request's last proposal's kind (SpecPolicy): its n-gram match length; 0 for a draft model's.
+        self.kinds: dict[str, int] = {}
         self.switch = SpecSwitch()
         self.choice: tuple[int, bool] | None = None  # this step's (decode requests, whether it speculates)
         # A draft model proposes after a step for the next one, and costs k forwards whether or not its drafts are
@@ -86,9 +88,10 @@ class Speculator:
         for req in candidates:
             room = min(self.config.num_speculative_tokens, req.sampling_params.max_tokens - req.num_output_tokens - 1,
                        req.max_model_len - req.num_tokens - 1)
-            guess = self._guess(req, room) if room > 0 else []
+            guess, kind = self._guess(req, room) if room > 0 else ([], 0)
             if guess:
                 proposals[req.request_id] = guess
+                self.kinds[req.request_id] = kind
         self.choice = None
         if self.config.method != "ngram" and decodes:
             n, limit = len(decodes), self.config.disable_by_batch_size
@@ -103,7 +106,8 @@ class Speculator:
         elif self.config.adaptive and (proposals or not on):
             self.choice = (len(decodes), on)
         plan = self.policy.plan([(rid, len(d)) for rid, d in proposals.items()], num_other_tokens,
-                                num_decodes=len(decodes)) if self.choice is None or self.choice[1] else {}
+                                num_decodes=len(decodes), kinds=self.kinds) \
+            if self.choice is None or self.choice[1] else {}
         drafts: dict[str, list[int]] = {}
         for rid, guess in proposals.items():
             n = min(plan.get(rid, 0), budget)
@@ -114,26 +118,28 @@ class Speculator:
                 self.shadow[rid] = guess[0]
         return drafts
 
-    def _guess(self, req: Request, room: int) -> list[int]:
+    def _guess(self, req: Request, room: int) -> tuple[list[int], int]:
+        """Up to `room` draft tokens for the request, and their kind (SpecPolicy): the n-gram match length."""
         if self.config.method != "ngram":
-            return self.external.get(req.request_id, [])[:room]
+            return self.external.get(req.request_id, [])[:room], 0
         index = self.indexes.get(req.request_id)
         if index is None:
             index = self.indexes[req.request_id] = NgramIndex(self.config.prompt_lookup_min,
                                                               self.config.prompt_lookup_max)
         index.sync(req.token_ids)
-        return index.propose(room)
+        return index.lookup(room)
 
     def verified(self, req: Request, draft: Sequence[int], accepted: int) -> None:
         """A sampling step of `req` ended: it verified `draft` and accepted the first `accepted`, or (no draft)
         decoded one token, which tells whether the first guess it was not sent would have been accepted."""
         rid = req.request_id
+        kind = self.kinds.get(rid, 0)
         if draft:
             self.counters.add(len(draft), accepted, self.config.num_speculative_tokens)
-            self.policy.observe(rid, len(draft), accepted)
+            self.policy.observe(rid, len(draft), accepted, kind)
         guess = self.shadow.pop(rid, None)
         if guess is not None and req.num_new_tokens:
-            self.policy.observe_shadow(rid, req.token_ids[req.num_tokens - req.num_new_tokens] == guess)
+            self.policy.observe_shadow(rid, req.token_ids[req.num_tokens - req.num_new_tokens] == guess, kind)
 
     def observe_step(self, out: SchedulerOutput, tokens: int, execute_s: float, step_s: float, draft_s: float = 0.0,
                      draft_forwards: int = 0, draft_first_s: float | None = None) -> None:
@@ -202,7 +208,7 @@ class Speculator:
 
     def _expected_tokens(self, request_id: str, drafts: int) -> float:
         """1 + α + α² + ... + α^drafts: the tokens a verification of `drafts` drafts yields on average."""
-        alpha = self.policy.acceptance(request_id)
+        alpha = self.policy.acceptance(request_id, self.kinds.get(request_id, 0))
         return sum(alpha ** j for j in range(drafts + 1))
 
     def set_proposals(self, proposals: Mapping[str, list[int]]) -> None:
@@ -215,4 +221,5 @@ class Speculator:
             self.indexes.pop(rid, None)
             self.external.pop(rid, None)
             self.shadow.pop(rid, None)
+            self.kinds.pop(rid, None)
             self.policy.forget(rid)
