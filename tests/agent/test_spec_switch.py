@@ -54,13 +54,16 @@ def test_speculation_must_win_by_the_margin(rate_on: float, kept: bool) -> None:
 
 
 def test_rates_wandering_about_the_margin_do_not_flip_the_mode() -> None:
-    # Speculation measured now 1.5 margins ahead, now half a margin (as verifications yield 0..k tokens): once taken
-    # up it is kept, since it still wins; without hysteresis the mode flipped every few steps.
+    # Speculation measured now 1.5 margins ahead, now half a margin (as verifications yield 0..k tokens): the runs'
+    # evidence takes it up within a few runs, and once taken up it is kept, since it still wins; without hysteresis
+    # the mode flipped every few steps.
     switch, chosen = SpecSwitch(), []
     for i in range(2 * MIN_SAMPLES + 40 * 20):
         rate_on = 1000.0 * (1 + (1.5 if i // 20 % 2 else 0.5) * MARGIN)
         chosen += drive(switch, 2, rate_on=rate_on, rate_off=1000.0, steps=1)
-    tail = chosen[chosen.index(True, 2 * MIN_SAMPLES):]
+    taken = next(i for i in range(2 * MIN_SAMPLES, len(chosen)) if all(chosen[i:i + 2 * EXPLORE_RUN]))
+    assert taken < 2 * MIN_SAMPLES + 8 * EXPLORE_EVERY
+    tail = chosen[taken:]
     offs = [i for i in range(1, len(tail)) if not tail[i] and tail[i - 1]]
     assert len(offs) <= len(tail) // EXPLORE_EVERY + 1  # off only to explore
     assert sum(tail) >= len(tail) * (1 - EXPLORE_RUN / EXPLORE_EVERY) - EXPLORE_RUN
