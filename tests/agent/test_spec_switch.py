@@ -172,3 +172,20 @@ def test_while_speculating_off_is_explored_as_often_as_the_budget_allows() -> No
     assert gap < EXPLORE_EVERY_FAR
     assert len(starts) >= 10
     assert all(0.99 * gap <= b - a <= gap + EXPLORE_RUN + 1 for a, b in itertools.pairwise(starts))
+
+
+def test_one_lucky_run_does_not_take_speculation_up() -> None:
+    """Speculating delivers 0.95x of off; one exploring run lands in a fast spell and reads 1.3x. Judged alone that run
+    took speculation up until off's next run; pooled with the runs before it, it moves the evidence by a fraction of
+    its reading and the mode stays off. The runs that follow, at 0.95x again, keep it off."""
+    switch, chosen, lucky = SpecSwitch(), [], 0
+    for _ in range(2 * MIN_SAMPLES + 2000):
+        on = switch.choose(4)
+        if on and chosen and not chosen[-1]:
+            lucky += 1
+        fast = 1.3 / 0.95 if on and lucky == 3 else 1.0  # the third exploring run, all its steps
+        switch.observe(4, on, 100, 100 / (950.0 * fast if on else 1000.0))
+        chosen.append(on)
+    tail = chosen[2 * MIN_SAMPLES:]
+    assert lucky >= 5  # the lucky run and runs after it happened
+    assert max(len(list(g)) for on, g in itertools.groupby(tail) if on) <= EXPLORE_RUN  # only exploring runs speculate
