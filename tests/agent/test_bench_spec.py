@@ -38,7 +38,7 @@ def test_batches_of_a_round_pool_their_tokens_and_seconds() -> None:
     pooled.add(Run(decoded=60, seconds=0.5, itl=[0.01], tokens=64, drafts=3, accepted=6))
     pooled.add(Run(decoded=20, seconds=0.5, itl=[0.02], tokens=64))
     assert pooled.tps == 80.0 and pooled.itl == [0.01, 0.02] and (pooled.tokens, pooled.drafts) == (128, 3)
-    assert [repeats(b) for b in (1, 4, 16, 64)] == [8, 2, 1, 1]
+    assert [repeats(b) for b in (1, 2, 4, 16, 64)] == [8, 4, 4, 4, 4]
 
 
 def test_configurations_run_each_batch_step_by_step_on_their_own_clocks(tiny_checkpoint: Callable[..., str]) -> None:

@@ -182,9 +182,11 @@ class _Progress:
 
 
 def repeats(batch: int) -> int:
-    """Batches per cell and round: small batches run several, one after another, so that every cell measures about
-    as many tokens (a single 64-token request is a few dozen steps, too short to rise above the machine's noise)."""
-    return max(1, 8 // batch)
+    """Batches per cell and round, one after another: a step's time jitters by tens of percent here, so what a cell
+    measures is its number of steps, not tokens. One batch of 16 or 64 is a few dozen steps: an engine whose
+    speculation was held off read 0.94-1.04x of `off` over five such rounds; batch 1 runs eight (a single 64-token
+    request is too short), larger batches four."""
+    return max(4, 8 // batch)
 
 
 def run(a: argparse.Namespace) -> list[Cell]:
