@@ -251,6 +251,10 @@ class LLMEngine:
         self.counters.last_step_time = time.time()
         delivered = sum(r.num_new_tokens for r in advanced)
         self.counters.generation_tokens += delivered
+        if self.speculator is not None:
+            runner = self.executor.runner
+            self.speculator.observe_step(plan, delivered, execute_s, time.perf_counter() - step_start, runner.draft_s,
+                                         runner.draft_forwards, runner.draft_first_s)
         out = []
         for req in advanced:
             t = self._tracked[req.request_id]
@@ -271,13 +275,6 @@ class LLMEngine:
                 del self._tracked[req.request_id]
             if req.is_finished or not finished_only:
                 out.append(self._output(t))
-        if self.speculator is not None:
-            # The whole step, its outputs included: a step's per-request work (detokenizing, building outputs) is
-            # part of what speculating saves by taking fewer steps, and of what its longer steps cost; measured
-            # before the outputs, the switch read n-gram at batch 16 as 9% faster than the step really was.
-            runner = self.executor.runner
-            self.speculator.observe_step(plan, delivered, execute_s, time.perf_counter() - step_start, runner.draft_s,
-                                         runner.draft_forwards, runner.draft_first_s)
         return out
 
     def _detokenize(self, t: _Tracked) -> None:
