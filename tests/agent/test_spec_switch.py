@@ -14,6 +14,7 @@ from kvfleet_agent.core.spec_switch import (
     EXPLORE_RUN,
     MARGIN,
     MIN_SAMPLES,
+    PAIR,
     SpecSwitch,
     bucket,
 )
@@ -189,3 +190,22 @@ def test_one_lucky_run_does_not_take_speculation_up() -> None:
     tail = chosen[2 * MIN_SAMPLES:]
     assert lucky >= 5  # the lucky run and runs after it happened
     assert max(len(list(g)) for on, g in itertools.groupby(tail) if on) <= EXPLORE_RUN  # only exploring runs speculate
+
+
+def test_a_run_far_from_its_neighbours_is_not_judged_against_them() -> None:
+    """A bucket seen only in batches' tails meets its own steps seconds apart: a run there, with no stable steps of
+    its bucket near it (other buckets' steps between), teaches nothing, however fast it reads."""
+    switch = SpecSwitch()
+    drive(switch, 1, rate_on=500.0, rate_off=1000.0, steps=2 * MIN_SAMPLES + 10)  # learnt: off
+    before = switch.evidence[1]
+    assert not switch.speculating[1]
+    drive(switch, 4, rate_on=1000.0, rate_off=1000.0, steps=30)  # another bucket's steps in between
+    switch.explore_at[1] = switch.decisions[1] + 1  # the next choice in bucket 1 starts an exploring run
+    while not switch.choose(1):
+        switch.observe(1, False, 100, 0.1)
+    for _ in range(EXPLORE_RUN):
+        switch.observe(1, True, 100, 0.05)  # 2000 tok/s: a lucky spell
+    drive(switch, 4, rate_on=1000.0, rate_off=1000.0, steps=30)  # the bucket goes quiet: no steps after it nearby
+    for _ in range(PAIR):
+        switch.observe(1, False, 100, 0.1)
+    assert switch.evidence[1] == before
