@@ -140,9 +140,8 @@ class SpecPolicy:
         self._add(request_id, kind, int(hit), int(not hit))
 
     def _add(self, request_id: str, kind: int, hits: int, misses: int) -> None:
-        counts = self._requests.setdefault(request_id, {}).get(kind)
-        if counts is None:
-            counts = self._requests[request_id][kind] = _Counts()
+        per_kind = self._requests.setdefault(request_id, {})
+        counts = per_kind.get(kind) or per_kind.setdefault(kind, _Counts())
         counts.add(hits, misses, self.request_decay)
         self._kinds.setdefault(kind, _Counts()).add(hits, misses, self.global_decay)
         self._global.add(hits, misses, self.global_decay)

@@ -205,9 +205,9 @@ class SpecSwitch:
     def _judge(self, b: int) -> None:
         """Fold the bucket's exploring run into the evidence: log(its rate / its neighbours'), signed for on / off."""
         run = self._runs.pop(b, None)
-        if run is None or run.seconds <= 0 or not run.before + run.after:
+        around = [] if run is None else run.before + run.after
+        if run is None or run.seconds <= 0 or not around:
             return
-        around = run.before + run.after
         reading = math.log((run.tokens / run.seconds) / (sum(t for t, _ in around) / sum(s for _, s in around)))
         signed = reading if run.mode else -reading  # log(on / off) as this run saw it
         old = self.evidence.get(b, 0.0)

@@ -320,15 +320,15 @@ class ModelRunner:
                 to_device([batch.sample_rows], self.device)[0]
         else:
             hidden, rows = self._eager_hidden(batch)
+        sample = self.model.compute_logits(hidden if rows is None else hidden.index_select(0, rows)) \
+            if len(batch.sample_rows) else None
         if len(batch.prompt_rows):  # rare: a request asked for prompt logprobs
-            # Two calls of the head: a row's logits depend on how many rows share its call (see ParallelLMHead), so
-            # the sample rows run as they would without prompt rows beside them (echo's completion is a plain one's).
-            sample, prompt = to_device([batch.sample_rows, batch.prompt_rows], self.device)
-            parts = [self.model.compute_logits(hidden.index_select(0, r)) for r in (sample, prompt) if len(r)]
-            return torch.cat(parts) if len(parts) > 1 else parts[0]
-        if not len(batch.sample_rows):
-            return None
-        return self.model.compute_logits(hidden if rows is None else hidden.index_select(0, rows))
+            # A call of the head of their own: a row's logits depend on how many rows share its call (see
+            # ParallelLMHead), so the sample rows run as they would without prompt rows beside them (echo's completion
+            # is a plain one's).
+            prompt = self.model.compute_logits(hidden.index_select(0, to_device([batch.prompt_rows], self.device)[0]))
+            return prompt if sample is None else torch.cat([sample, prompt])
+        return sample
 
     def _eager_hidden(self, batch: StepBatch) -> tuple[torch.Tensor, torch.Tensor]:
         """The model run eagerly over any batch: (hidden states [T, hidden], the sample rows on the device)."""
