@@ -231,26 +231,26 @@ Stack stack_of(const c10::List<OptTensor>& tensors, at::IntArrayRef few_below, a
 }
 
 // x [T, hidden] (the embedded tokens), cos / sin [T, D] (each token's rows of the rotary tables); every token a
-// decode row, attending through the decode groups [starts[g], ends[g]) with their block tables and prefix masks.
+// decode row, attending through the decode groups [starts[g], ends[g]) with their block tables and lengths.
 // Returns the final norm's output [T, hidden].
 at::Tensor decode_forward(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
                           const c10::List<OptTensor>& tensors, at::IntArrayRef few_below, at::TensorList k_caches,
                           at::TensorList v_caches, const at::Tensor& slot_mapping, at::IntArrayRef starts,
-                          at::IntArrayRef ends, at::TensorList tables, at::TensorList valid,
+                          at::IntArrayRef ends, at::TensorList tables, at::TensorList lengths,
                           const at::Tensor& final_norm, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
                           double eps, double scale) {
   const Stack stack = stack_of(tensors, few_below, k_caches, v_caches, final_norm, num_heads, num_kv_heads,
                                head_dim, eps, scale);
   stack.check(x);
   const int64_t T = x.size(0);
-  TORCH_CHECK(starts.size() == ends.size() && starts.size() == tables.size() && starts.size() == valid.size(),
-              "kvfleet_cpu_decode: each decode group needs a start, an end, a table and a mask");
+  TORCH_CHECK(starts.size() == ends.size() && starts.size() == tables.size() && starts.size() == lengths.size(),
+              "kvfleet_cpu_decode: each decode group needs a start, an end, a table and its lengths");
   TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.numel() == T, "slot_mapping: int64 [T]");
   std::vector<Group> groups;
   for (size_t g = 0; g < starts.size(); ++g) {
     TORCH_CHECK(0 <= starts[g] && starts[g] <= ends[g] && ends[g] <= T, "kvfleet_cpu_decode: group ", g,
                 " is out of the batch");
-    groups.push_back(Group{starts[g], ends[g], tables[g], valid[g]});
+    groups.push_back(Group{starts[g], ends[g], tables[g], lengths[g]});
   }
   const at::Tensor slots = slot_mapping.contiguous();
   return stack.run(x, cos, sin, slots.const_data_ptr<int64_t>(), groups);
@@ -375,7 +375,7 @@ std::tuple<at::Tensor, double> propose_greedy(
 
 TORCH_LIBRARY(kvfleet_cpu_decode, m) {
   m.def("decode_forward(Tensor x, Tensor cos, Tensor sin, Tensor?[] tensors, int[] few_below, Tensor[] k_caches, "
-        "Tensor[] v_caches, Tensor slot_mapping, int[] starts, int[] ends, Tensor[] tables, Tensor[] valid, "
+        "Tensor[] v_caches, Tensor slot_mapping, int[] starts, int[] ends, Tensor[] tables, Tensor[] lengths, "
         "Tensor final_norm, int num_heads, int num_kv_heads, int head_dim, float eps, float scale) -> Tensor",
         &decode_forward);
   m.def("propose_greedy(Tensor ids, int[] starts, int[] rows, int[] counts, Tensor tables, int block_size, "

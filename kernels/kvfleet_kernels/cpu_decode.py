@@ -53,14 +53,14 @@ def decode_forward(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, stack:
                    groups: Sequence[tuple[int, int, torch.Tensor, torch.Tensor]]) -> torch.Tensor:
     """x [T, hidden] embedded decode rows → the final norm's output [T, hidden]. Needs available().
 
-    cos / sin [T, head_dim]: each row's rotary rows; groups: (start, end, block tables, prefix mask) of each
-    decode-attention call.
+    cos / sin [T, head_dim]: each row's rotary rows; groups: (start, end, block tables [rows, W], each row's
+    context: seq_lens int64 [rows] or a prefix mask [rows, L] bool) of each decode-attention call.
     """
-    starts, ends, tables, valid = zip(*groups, strict=True) if groups else ((), (), (), ())
+    starts, ends, tables, lengths = zip(*groups, strict=True) if groups else ((), (), (), ())
     tensors, few_below, k_caches, v_caches, *rest = stack.args()
     op = torch.ops.kvfleet_cpu_decode.decode_forward.default
     return cast(torch.Tensor, op(x, cos, sin, tensors, few_below, k_caches, v_caches, slot_mapping, list(starts),
-                                 list(ends), list(tables), list(valid), *rest))
+                                 list(ends), list(tables), list(lengths), *rest))
 
 
 def propose_greedy(ids: torch.Tensor, starts: Sequence[int], rows: Sequence[int], counts: Sequence[int],

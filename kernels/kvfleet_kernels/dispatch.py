@@ -10,6 +10,7 @@ Greedy sampling's row argmax on CPU runs cpu_argmax's one pass, KVFLEET_CPU_ARGM
 import importlib
 import importlib.util
 import os
+from collections.abc import Callable
 from types import ModuleType
 from typing import cast
 
@@ -136,6 +137,17 @@ def planned_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: to
         return reference.planned_decode_attention(q, k_cache, v_cache, flat_block_index, valid, scale, k_scale, v_scale)
     return cast(torch.Tensor, ops.planned_decode_attention(q, k_cache, v_cache, flat_block_index, valid, scale,
                                                            k_scale, v_scale))
+
+
+def grouped_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                             block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                             plan: Callable[[], tuple[torch.Tensor, torch.Tensor]], scale: float,
+                             k_scale: Scales = None, v_scale: Scales = None) -> torch.Tensor:
+    """A group of decode rows: the CPU kernel reads their tables and lengths in place; the kernels that gather
+    take the group's decode_plan from `plan()` (computed on first use, then shared by every layer)."""
+    if _kernels("paged_attention", q) is None and cpu_attention.supports(q, k_cache):
+        return cpu_attention.decode(q, k_cache, v_cache, block_tables, seq_lens, scale, k_scale, v_scale)
+    return planned_decode_attention(q, k_cache, v_cache, *plan(), scale, k_scale, v_scale)
 
 
 def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

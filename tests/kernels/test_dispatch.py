@@ -16,7 +16,7 @@ from kvfleet_agent.layers import attention, norm, rotary
 from kvfleet_agent.layers.attention import AttentionMetadata, DecodeGroup, PagedAttention, PrefillSpan
 from kvfleet_agent.layers.norm import RMSNorm
 from kvfleet_agent.layers.rotary import RotaryEmbedding
-from kvfleet_kernels import dispatch, plan, reference
+from kvfleet_kernels import dispatch, reference
 
 pytest.importorskip("triton")
 
@@ -123,7 +123,7 @@ def check_layers_wired_to_dispatch(device: torch.device) -> None:
     decode_lens = torch.tensor(lengths[:2], device=device)
     meta = AttentionMetadata(
         slot_mapping=slots,
-        decode_groups=[DecodeGroup(0, 2, *plan.decode_plan(tables[:2], decode_lens, bs))],
+        decode_groups=[DecodeGroup(0, 2, tables[:2], decode_lens, max(lengths[:2]))],
         prefills=[PrefillSpan(2, 6, 0, tables[2]), PrefillSpan(8, 5, 12, tables[3])],
     )
     t = sum(new)

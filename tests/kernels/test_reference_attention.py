@@ -7,7 +7,7 @@ import torch
 from kernel_helpers import HEADS, assert_close_at, gen
 
 from kvfleet_agent.layers.attention import AttentionMetadata, DecodeGroup, PagedAttention, PrefillSpan
-from kvfleet_kernels import plan, reference
+from kvfleet_kernels import reference
 
 GARBAGE = 50.0  # scale of whatever sits in cache slots a sequence does not own: huge if ever attended to
 
@@ -231,7 +231,7 @@ def test_paged_attention_layer_mixed_batch_matches_dense() -> None:
     decode_tables, decode_lens = padded_tables(tables[:2], num_blocks, g), torch.tensor(lengths[:2])
     meta = AttentionMetadata(
         slot_mapping=slot_mapping,
-        decode_groups=[DecodeGroup(0, 2, *plan.decode_plan(decode_tables, decode_lens, bs))],
+        decode_groups=[DecodeGroup(0, 2, decode_tables, decode_lens, max(lengths[:2]))],
         prefills=[PrefillSpan(2, 6, 0, tables[2]), PrefillSpan(8, 5, 12, tables[3])],
     )
     out = layer(q, k_new, v_new, meta)

@@ -107,7 +107,7 @@ class FusedDecode:
     def __call__(self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """Embedded decode rows x [T, hidden] → the final norm's output, as the model's layers compute it."""
         cos, sin = self.rope.cos.index_select(0, positions), self.rope.sin.index_select(0, positions)
-        groups = [(g.start, g.end, g.flat_block_index, g.valid) for g in meta.decode_groups]
+        groups = [(g.start, g.end, g.tables, g.seq_lens) for g in meta.decode_groups]
         return cpu_decode.decode_forward(x, cos, sin, self._bound(), meta.slot_mapping, groups)
 
     def propose_greedy(self, ids: torch.Tensor, starts: list[int], rows: list[int], counts: list[int],

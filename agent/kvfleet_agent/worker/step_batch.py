@@ -13,7 +13,6 @@ from kvfleet_agent.layers.attention import AttentionMetadata, DecodeGroup, Prefi
 from kvfleet_agent.sampling_params import SamplingParams
 from kvfleet_agent.spec_config import MAX_SPECULATIVE_TOKENS
 from kvfleet_agent.worker.device import to_device
-from kvfleet_kernels.plan import decode_plan
 
 PromptSpan = tuple[str, int, list[int], int]  # (request, position of the first target, targets, top-k)
 # A step's model inputs on the device: token ids, positions, sample rows, attention metadata.
@@ -175,7 +174,7 @@ def step_inputs(batch: StepBatch, device: torch.device, block_size: int,
 
 def _decode_groups(tables: torch.Tensor, seq_lens: torch.Tensor, positions: np.ndarray,
                    block_size: int, group: int) -> list[DecodeGroup]:
-    """Split the (length-sorted) decode rows into groups of `group` rows and plan each group's gather once.
+    """Split the (length-sorted) decode rows into groups of `group` rows.
 
     Each group's longest context comes from the host copy of the positions: no device read.
     """
@@ -183,7 +182,6 @@ def _decode_groups(tables: torch.Tensor, seq_lens: torch.Tensor, positions: np.n
     for start in range(0, len(positions), group):
         end = min(start + group, len(positions))
         # Rows are sorted by their chunk's start: a verification's later rows may outrun the next chunk's.
-        flat, valid = decode_plan(tables[start:end], seq_lens[start:end], block_size,
-                                  int(positions[start:end].max()) + 1)
-        groups.append(DecodeGroup(start, end, flat, valid))
+        groups.append(DecodeGroup(start, end, tables[start:end], seq_lens[start:end],
+                                  int(positions[start:end].max()) + 1))
     return groups
