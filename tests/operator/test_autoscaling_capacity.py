@@ -176,6 +176,18 @@ def test_observe_samples_steady_rounds_and_assumes_a_line_until_it_can_fit() -> 
     assert capacity.observe(old, obs(), d, NOW, 4.0).samples == ((NOW - 10, 200.0, 2.0),)
 
 
+def test_a_sample_pairs_the_windows_service_with_the_windows_mean_depth() -> None:
+    """Little's law holds between averages over one span: as a burst drains, the window still served its tokens
+    while the newest depth is already small; that pair (far above the line) had flattened the fit."""
+    o = obs(queue_depth=4 * 2.0, queue_depth_mean=4 * depth(750.0))  # each replica holds 2 now, 12 on average
+    cap = capacity.observe(Capacity(), o, capacity.demand(o, 15.0), NOW, 4.0)
+    assert cap.samples[0] == pytest.approx((NOW, 750.0, 12.0))
+    # Without the window's mean (an older caller), the newest depth.
+    o = obs(queue_depth=4 * 2.0)
+    assert capacity.observe(Capacity(), o, capacity.demand(o, 15.0), NOW, 4.0).samples[0] == pytest.approx(
+        (NOW, 750.0, 2.0))
+
+
 def test_a_queue_of_float_noise_is_no_sample() -> None:
     """A queue depth near zero (hypothesis found 5e-324) would put the line through it out of float range: M inf,
     w 0, and per_replica dividing by zero. It adds no sample and assumes no line."""

@@ -79,8 +79,12 @@ def observe(cap: Capacity, obs: Observation, d: Demand | None, now: float, queue
     """Add this round's sample (served tokens/s and requests held, per replica) and refit the line."""
     samples = tuple(x for x in cap.samples if x[0] > now - SAMPLE_WINDOW_S)
     point = None
-    if d is not None and obs.queue_depth is not None and obs.reporting_replicas > 0 and steady(obs):
-        q = obs.queue_depth / obs.reporting_replicas
+    # Little's law relates averages over one span: the window's served rate goes with the window's mean depth. The
+    # newest depth after a burst drained, paired with the burst's service, put points far above the line and
+    # flattened its fit (capacity read 1.8x too high, and scale-downs went too deep).
+    depth = obs.queue_depth_mean if obs.queue_depth_mean is not None else obs.queue_depth
+    if d is not None and depth is not None and obs.reporting_replicas > 0 and steady(obs):
+        q = depth / obs.reporting_replicas
         if d.served_per_replica > 0 and q >= MIN_QUEUE:
             point = (d.served_per_replica, q)
             samples = (*samples, (now, *point))
