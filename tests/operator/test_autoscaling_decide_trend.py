@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 from typing import Any
 
@@ -53,6 +54,17 @@ def test_a_steady_fall_is_sized_for_the_end_of_the_scale_down_window() -> None:
 
 
 
+def test_a_fall_the_line_does_not_describe_is_not_projected() -> None:
+    """A noisy load at the bottom of a cycle: the line through its last 5 minutes still falls significantly, but the
+    samples scatter around it by a third of its level (a curve that has turned, not a line). Projecting it to the
+    window's end sized the fleet for a trough the load was already leaving: the simulator's sinusoid scaled down
+    there and back up within 5 minutes, a flap every cycle. The hysteresis alone decides (7, as without a trend)."""
+    level = [1.6 * (42.5 - 17.5 * math.cos(2 * math.pi * i / 40)) for i in range(20, 40)]  # peak to trough
+    samples = tuple((NOW - 15 * (20 - j), v * (1.15 if j % 2 else 0.85)) for j, v in enumerate(level))
+    d = decide(QUEUE, obs(**FALL_OBS), rate_line(0, samples=samples))
+    assert (d.desired_replicas, "falling" in d.reason) == (7, False)
+
+
 def test_a_steep_fall_never_goes_below_what_the_load_now_needs() -> None:
     # The rate would be below zero in 300 s; the newest load, 5.90, still needs 6.
     assert decide(QUEUE, obs(**FALL_OBS), rate_line(-0.5)).desired_replicas == 6
@@ -64,10 +76,11 @@ def test_a_newest_rate_above_a_fitting_line_is_noise_and_does_not_hold_the_floor
     d = decide(QUEUE, obs(**(FALL_OBS | dict(request_rate=56.0))), rate_line(-0.5))
     assert d.desired_replicas == 5
     # A step from 80/s to 40/s is significant too, but a line through two plateaus does not fit them (spread
-    # 35% of the level): the newest load keeps the floor.
+    # 35% of the level): it is not projected at all, and the newest load with the hysteresis decides (7, as
+    # without a trend).
     step = tuple((NOW - 15 * i, 80.0 if i > 10 else 40.0) for i in range(20, 0, -1))
     assert decide(QUEUE, obs(**(FALL_OBS | dict(request_rate=56.0))), rate_line(0, samples=step)
-                  ).desired_replicas == 6
+                  ).desired_replicas == 7
 
 
 def test_a_rise_or_a_noisy_flat_rate_is_not_a_fall() -> None:

@@ -100,8 +100,11 @@ def _capacity_vote(policy: AutoscalingPolicy, obs: Observation, stale: int, proj
         n = ceil(load / (1 - margin))
         if margin > tol and n > ceil(load / (1 - tol)):
             v.notes.append(f"{margin:.0%} headroom for the demand's noise")
-        if proj is not None and proj.trend.falling and n < current:
-            # Sized for when the scale-down window releases it, never below the load now (the trend moves it).
+        if proj is not None and proj.trend.falling and proj.trend.fits and n < current:
+            # Sized for when the scale-down window releases it, never below the load now (the trend moves it). Only
+            # a line that describes its samples is projected: near a cycle's trough the samples curve away from the
+            # line through its fall, and projecting it sized the fleet for a trough the load was leaving (the
+            # suite's noisy sinusoid scaled down there and back up within 5 minutes, every cycle).
             at_end = load * max(proj.trend.at(proj.window), 0.0) / max(proj.rate, 1e-9)
             sized = ceil(max(at_end, load))
             if sized < n:
@@ -159,7 +162,7 @@ def _queue_vote(policy: AutoscalingPolicy, obs: Observation, stale: int, proj: P
     hysteresis = 1.0 if ratio >= 1 else 1 - tol  # going down, stop where each would hold 1 - tolerance
     n = ceil(ready * (per_pod / hysteresis) ** (1 / k))
     within = abs(ratio - 1) <= tol
-    if ratio < 1 and proj is not None and proj.trend.falling:
+    if ratio < 1 and proj is not None and proj.trend.falling and proj.trend.fits:
         sized = ceil(max(proj.at(proj.window), proj.now()))
         if sized < n and sized < current:
             v.notes.append(f"request rate falling {proj.per_min()}/min: sized for the end of the {proj.window}s "
