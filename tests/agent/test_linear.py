@@ -177,3 +177,14 @@ def test_the_measured_crossover_is_a_row_count_and_is_measured_once_per_shape(mo
     monkeypatch.setattr(gemm_crossover, "_measure", lambda *_: pytest.fail("measured twice"))
     assert gemm_crossover.crossover(w, lambda x: linear(x, w, None, packed), lambda x: x @ w.T, "matmul") == first
 
+
+def test_a_pinned_crossover_is_not_measured(monkeypatch: pytest.MonkeyPatch) -> None:
+    """KVFLEET_GEMM_CROSSOVER fixes the rows (reproducible kernels whatever the load); a bad value names the fix."""
+    monkeypatch.setattr(gemm_crossover, "_measure", lambda *_: pytest.fail("measured though pinned"))
+    w = torch.randn(96, 64)
+    monkeypatch.setenv(gemm_crossover.PIN_ENV, "12")
+    assert gemm_crossover.crossover(w, lambda x: x, lambda x: x, "matmul") == 12
+    assert gemm_crossover.crossover(torch.randn(KEEP_DENSE_MAX + 1, 1), lambda x: x, lambda x: x, "m") == NEVER
+    monkeypatch.setenv(gemm_crossover.PIN_ENV, "eight")
+    with pytest.raises(ValueError, match="KVFLEET_GEMM_CROSSOVER='eight'"):
+        gemm_crossover.crossover(w, lambda x: x, lambda x: x, "matmul")

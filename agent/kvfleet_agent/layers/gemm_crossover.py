@@ -11,6 +11,7 @@ that kernel builds (one read of the weight for up to 96 rows), else the dense we
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections.abc import Callable
 
@@ -26,6 +27,11 @@ NEVER = 0  # a crossover of 0 rows: the packed path always
 Run = Callable[[torch.Tensor], torch.Tensor]
 # (out, in, threads, the few-row path's name) → crossover, once per process
 _measured: dict[tuple[int, int, int, str], int] = {}
+# Rows: every weight's crossover fixed, not measured. A measurement times the two paths, so under load it can move
+# and with it the kernel a given row count takes (tiles and oneDNN agree to rounding, not bit for bit): pinning it
+# makes the kernels, and so the bits, independent of how busy the machine was at load time (tests comparing batches
+# of different sizes; reproducible runs).
+PIN_ENV = "KVFLEET_GEMM_CROSSOVER"
 
 
 def keeps_copy(weight: torch.Tensor, limit: int = KEEP_DENSE_MAX) -> bool:
@@ -39,6 +45,11 @@ def crossover(weight: torch.Tensor, run_packed: Run, run_few: Run, few: str, lim
     count, with the caller's threads."""
     if not keeps_copy(weight, limit):
         return NEVER
+    if pinned := os.environ.get(PIN_ENV):
+        if not pinned.isdigit():
+            raise ValueError(f"{PIN_ENV}={pinned!r}: give the rows from which the packed path runs, e.g. 8 "
+                             "(0: always the packed path)")
+        return int(pinned)
     out_f, in_f = weight.shape
     key = (int(out_f), int(in_f), torch.get_num_threads(), few)
     if key not in _measured:
