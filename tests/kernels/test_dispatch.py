@@ -123,7 +123,7 @@ def check_layers_wired_to_dispatch(device: torch.device) -> None:
     decode_lens = torch.tensor(lengths[:2], device=device)
     meta = AttentionMetadata(
         slot_mapping=slots,
-        decode_groups=[DecodeGroup(0, 2, tables[:2], decode_lens, max(lengths[:2]))],
+        decode_groups=[DecodeGroup(0, 2, tables[:2], decode_lens, max(lengths[:2]), bs)],
         prefills=[PrefillSpan(2, 6, 0, tables[2]), PrefillSpan(8, 5, 12, tables[3])],
     )
     t = sum(new)

@@ -231,7 +231,7 @@ def test_paged_attention_layer_mixed_batch_matches_dense() -> None:
     decode_tables, decode_lens = padded_tables(tables[:2], num_blocks, g), torch.tensor(lengths[:2])
     meta = AttentionMetadata(
         slot_mapping=slot_mapping,
-        decode_groups=[DecodeGroup(0, 2, decode_tables, decode_lens, max(lengths[:2]))],
+        decode_groups=[DecodeGroup(0, 2, decode_tables, decode_lens, max(lengths[:2]), bs)],
         prefills=[PrefillSpan(2, 6, 0, tables[2]), PrefillSpan(8, 5, 12, tables[3])],
     )
     out = layer(q, k_new, v_new, meta)

@@ -141,7 +141,9 @@ class SpecPolicy:
 
     def _add(self, request_id: str, kind: int, hits: int, misses: int) -> None:
         per_kind = self._requests.setdefault(request_id, {})
-        counts = per_kind.get(kind) or per_kind.setdefault(kind, _Counts())
+        counts = per_kind.get(kind)
+        if counts is None:  # (setdefault would build a _Counts on every call)
+            counts = per_kind[kind] = _Counts()
         counts.add(hits, misses, self.request_decay)
         self._kinds.setdefault(kind, _Counts()).add(hits, misses, self.global_decay)
         self._global.add(hits, misses, self.global_decay)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from functools import partial
 
 import torch
 from torch import nn
@@ -32,13 +31,14 @@ class DecodeGroup:
     tables: torch.Tensor  # [rows, width] int64
     seq_lens: torch.Tensor  # [rows] int64: each row's context, its own token included
     max_len: int  # the longest, known on the host (no device read)
+    block_size: int
     _plan: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, repr=False)
 
-    def plan(self, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def plan(self) -> tuple[torch.Tensor, torch.Tensor]:
         """decode_plan's (flat block index, valid-slot mask) of the group, computed once. Only the kernels that
         gather need it: the CPU kernel reads the tables in place, and a step's plan cost ~45 us at batch 1."""
         if self._plan is None:
-            self._plan = decode_plan(self.tables, self.seq_lens, block_size, self.max_len)
+            self._plan = decode_plan(self.tables, self.seq_lens, self.block_size, self.max_len)
         return self._plan
 
 
@@ -97,11 +97,9 @@ class PagedAttention(nn.Module):
             out[:n] = decoded
         else:
             out = torch.empty_like(q)
-        bs = self.k_cache.shape[1]
         for g in meta.decode_groups:
             out[g.start:g.end] = dispatch.grouped_decode_attention(
-                q[g.start:g.end], self.k_cache, self.v_cache, g.tables, g.seq_lens, partial(g.plan, bs),
-                self.scale, ks, vs)
+                q[g.start:g.end], self.k_cache, self.v_cache, g.tables, g.seq_lens, g.plan, self.scale, ks, vs)
         for p in meta.prefills:
             span = slice(p.query_start, p.query_start + p.query_len)
             # Nothing cached before the chunk: attend to its fresh K/V directly, unless the cache is quantized;

@@ -183,5 +183,5 @@ def _decode_groups(tables: torch.Tensor, seq_lens: torch.Tensor, positions: np.n
         end = min(start + group, len(positions))
         # Rows are sorted by their chunk's start: a verification's later rows may outrun the next chunk's.
         groups.append(DecodeGroup(start, end, tables[start:end], seq_lens[start:end],
-                                  int(positions[start:end].max()) + 1))
+                                  int(positions[start:end].max()) + 1, block_size))
     return groups
