@@ -141,12 +141,26 @@ def test_flow_is_arrivals_and_tokens_per_second_over_the_window() -> None:
     # b's second scrape covers it: 15 s, 30 finished (2/s), holding 2 fewer: 28 arrived; 750 + 300 tokens/s.
     w.update([snap("a", 45, 145, held=7, prompt=5500, output=2750),
               snap("b", 45, 930, held=0, prompt=81_250, output=13_500)], now=45)
+    # Fleet totals over the longest span (a's 45 s): b had no traffic before it became ready.
     f = w.flow()
-    assert f is not None and f.pods == 2
-    assert f.completed == pytest.approx(45 / 45 + 30 / 15)
-    assert f.arrived == pytest.approx((45 + 3) / 45 + 28 / 15)
-    assert (f.prompt_tokens, f.output_tokens) == pytest.approx((100 + 750, 50 + 300))
-    assert f.tokens_per_request == pytest.approx((850 + 350) / 3)
+    assert f is not None and f.pods == pytest.approx((45 + 15) / 45)  # b covers a third of the span
+    assert f.completed == pytest.approx((45 + 30) / 45)
+    assert f.arrived == pytest.approx((45 + 3 + 28) / 45)
+    assert (f.prompt_tokens, f.output_tokens) == pytest.approx(((4500 + 11_250) / 45, (2250 + 4500) / 45))
+    assert f.tokens_per_request == pytest.approx((4500 + 11_250 + 2250 + 4500) / 75)
+    # Tokens per replica: what the pods served over the pod-seconds they were there (a 100 + 50, b 750 + 300 a s).
+    assert (f.prompt_tokens + f.output_tokens) / f.pods == pytest.approx((45 * 150 + 15 * 1050) / 60)
+
+
+def test_a_new_replica_taking_the_arrivals_is_not_read_as_more_demand() -> None:
+    """A steady 2 requests/s: on a alone until b becomes ready at 30 s, then on b alone (the router sends a new
+    replica the arrivals). The fleet's demand stays 2/s; each pod's own rate summed read 60/45 + 30/15 = 3.3/s."""
+    w = MetricsWindow(60.0)
+    for t in (0, 15, 30):
+        w.update([snap("a", t, 2 * t)] + ([snap("b", t, 0)] if t == 30 else []), live={"a", "b"}, now=t)
+    w.update([snap("a", 45, 60), snap("b", 45, 30)], now=45)
+    f = w.flow()
+    assert f is not None and f.arrived == pytest.approx(2.0) and f.completed == pytest.approx(2.0)
 
 
 def test_flow_restarts_counters_from_zero_and_never_reads_negative_arrivals() -> None:

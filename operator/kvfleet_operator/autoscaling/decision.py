@@ -56,13 +56,13 @@ class AutoscalingPolicy:
 
 @dataclass(frozen=True)
 class Flow:
-    """Requests and tokens per second through the reporting pods (MetricsWindow.flow), summed across them."""
+    """Requests and tokens per second through the reporting pods (MetricsWindow.flow): fleet totals over one span."""
 
     completed: float  # requests finished or refused per second
     arrived: float  # requests arriving per second: completions plus the rise of waiting + running
     prompt_tokens: float  # prompt tokens per second, of the requests served
     output_tokens: float  # generated tokens per second
-    pods: int  # pods the figures cover
+    pods: float  # replicas' worth the figures cover: pod-seconds over the span (a pod new to it covers part)
 
     @property
     def tokens_per_request(self) -> float | None:

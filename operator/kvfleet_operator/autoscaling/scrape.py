@@ -277,27 +277,34 @@ class MetricsWindow:
 
     def flow(self, last: bool = False) -> Flow | None:
         """Requests and tokens per second through the reporting pods over the window (`last`: each pod's last scrape
-        interval), summed across pods. A pod with one sample so far (it just became ready) is left out: `pods` says
-        how many the figures cover; None when none has two samples, or one lacks the request counter. Arrivals are
-        completions plus the rise of what the pods hold (Little's balance): the demand, not the served rate."""
-        done = arrived = prompt = output = 0.0
-        covered = 0
+        interval): fleet totals over the longest pod's span. A pod with one sample so far (it just became ready) is
+        left out; `pods` is the replicas' worth the figures cover (pod-seconds over the span). None when no pod has
+        two samples, or one lacks the request counter. Arrivals are completions plus the rise of what the pods hold
+        (Little's balance): the demand, not the served rate."""
+        spans: list[tuple[float, float, float, float, float]] = []  # span, finished, arrived, prompt, output
         for pod, hist in self._history.items():
             a, b = (self._previous.get(pod), hist[-1]) if last else (hist[0], hist[-1])
             if a is None or b is None or a is b or b.time <= a.time:
                 continue
             if a.requests is None or b.requests is None:
                 return None
-            covered += 1
-            span = b.time - a.time
             finished = _counter_increase(a.requests, b.requests)
-            done += finished / span
-            arrived += max(finished + b.queue_depth - a.queue_depth, 0.0) / span
+            prompt = output = 0.0
             if a.prompt_tokens is not None and b.prompt_tokens is not None:
-                prompt += _counter_increase(a.prompt_tokens, b.prompt_tokens) / span
+                prompt = _counter_increase(a.prompt_tokens, b.prompt_tokens)
             if a.generation_tokens is not None and b.generation_tokens is not None:
-                output += _counter_increase(a.generation_tokens, b.generation_tokens) / span
-        return Flow(done, arrived, prompt, output, covered) if covered else None
+                output = _counter_increase(a.generation_tokens, b.generation_tokens)
+            spans.append((b.time - a.time, finished, max(finished + b.queue_depth - a.queue_depth, 0.0), prompt,
+                          output))
+        if not spans:
+            return None
+        # One span for the fleet: a pod that became ready within it had no traffic before. Summing each pod's own
+        # rate counted a new pod's share of the load over its short span while the old pods' spans still held the
+        # load they carried before it came: the router sends a new replica most arrivals, so every scale-up read
+        # as a jump in demand (1.4-1.5x the true arrivals in the suite's step) and ordered replicas it did not need.
+        span = max(x[0] for x in spans)
+        done, arrived, prompt, output = (sum(x[i] for x in spans) / span for i in range(1, 5))
+        return Flow(done, arrived, prompt, output, sum(x[0] for x in spans) / span)
 
     def quantile(self, metric: str, q: float, last: bool = False) -> float | None:
         """histogram_quantile(q, sum by (le) (increase(metric_bucket[window]))); None when nothing was observed.
