@@ -122,7 +122,7 @@ def test_assumed_runs_a_replica_at_its_queue_target_at_a_third_of_saturation() -
     assert capacity.assumed(300.0, 4.0, 4.0).at_depth(4.0) == pytest.approx(300.0)
 
 
-def flow(completed: float = 10.0, arrived: float | None = None, tokens: float = 3000.0, pods: int = 4) -> Flow:
+def flow(completed: float = 10.0, arrived: float | None = None, tokens: float = 3000.0, pods: float = 4) -> Flow:
     """`tokens` prompt + output tokens/s (2:1) through `pods` pods."""
     return Flow(completed, completed if arrived is None else arrived, tokens * 2 / 3, tokens / 3, pods)
 
@@ -141,6 +141,14 @@ def test_steady_means_arrivals_within_STEADY_of_completions() -> None:
     assert not capacity.steady(obs(flow=flow(10.0, 10.0 * (1 - 1.5 * STEADY))))  # draining
     assert not capacity.steady(obs(flow=flow(0.0, 0.0)))  # nothing completed: nothing to tell
     assert not capacity.steady(obs(flow=None))
+
+
+def test_a_window_a_replica_joined_is_not_steady() -> None:
+    """Arrivals matching completions say nothing while the replicas changed within the window: a new one's first
+    traffic predates its first scrape, and the load moved between pods (a draining backlog can read balanced)."""
+    assert capacity.steady(obs(flow=flow(pods=4.0)))
+    assert not capacity.steady(obs(flow=flow(pods=3.25)))  # one of the 4 covers only the last quarter
+    assert not capacity.steady(obs(flow=flow(pods=3.0)))  # one not covered at all (its first scrape)
 
 
 def test_demand_is_arrivals_at_the_windows_tokens_per_request() -> None:
