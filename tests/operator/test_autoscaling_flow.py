@@ -24,7 +24,7 @@ from kvfleet_operator.autoscaling.decide import (
 )
 from kvfleet_operator.autoscaling.decision import Capacity, Flow, Line
 from kvfleet_operator.autoscaling.trend import trend
-from kvfleet_operator.autoscaling.votes import MAX_MARGIN, NOISE_Z
+from kvfleet_operator.autoscaling.votes import DRAIN_S, MAX_MARGIN, NOISE_Z
 
 NOW = 10_000.0
 LINE = Line(0.004, 1000.0, True)
@@ -34,6 +34,7 @@ TTFT = LatencyTarget("ttft", 95, 0.5)
 POLICY = AutoscalingPolicy(min_replicas=1, max_replicas=20, queue_depth_per_replica=4)
 BOTH = replace(POLICY, latency_targets=(TTFT,))
 LEARNED = AutoscalerState(recommendations=(Recommendation(0.0, 1),), capacity=Capacity(line=LINE))
+AT_TARGET = 16.0  # 4 ready replicas each holding the queue target: no backlog
 
 
 def up_to(load: float, policy: AutoscalingPolicy = POLICY) -> int:
@@ -64,7 +65,7 @@ def test_demand_above_capacity_scales_up_to_the_load_and_says_so() -> None:
     # ceil(6.3 / 0.9) = 7 (the queue rule on the same depth, 12 each of target 4 at 750 tokens/s, would ask
     # ceil(4 × 3^(2/3)) = 9).
     assert up_to(6.3) == 7
-    d = decide(POLICY, obs(3150.0), LEARNED)
+    d = decide(POLICY, obs(3150.0, queue_depth=AT_TARGET), LEARNED)  # no backlog: the demand alone sizes it
     assert d.proposals == (Proposal("capacity", 3150.0, PER, 7),)
     assert (d.desired_replicas, d.limited_by) == (7, "none")
     assert d.reason == ("demand 3,150 tokens/s against 500 tokens/s per replica at queue target 4 with 4 ready: "
@@ -75,11 +76,11 @@ def test_demand_is_arrivals_not_what_was_served() -> None:
     # Saturated replicas serve 4 × 900 = 3600 tokens/s while 15 requests/s arrive (12 complete): the demand is
     # 15 × 300 = 4500 tokens/s, 9 replicas' worth: ceil(9 / 0.9) = 10; the served rate alone, 7.2 replicas'
     # worth, would say ceil(7.2 / 0.9) = 8.
-    d = decide(POLICY, obs(3600.0, flow=flow(3600.0, 4, arrived=15.0)), LEARNED)
+    d = decide(POLICY, obs(3600.0, flow=flow(3600.0, 4, arrived=15.0), queue_depth=AT_TARGET), LEARNED)
     assert (d.proposals[0].observed, d.desired_replicas) == (4500.0, up_to(9.0)) == (4500.0, 10)
     # The panic window: the last interval's arrivals if higher (20/s: 6000 tokens/s, 12 replicas' worth, 14).
-    d = decide(POLICY, obs(3600.0, flow=flow(3600.0, 4, arrived=15.0), flow_last=flow(3600.0, 4, arrived=20.0)),
-               LEARNED)
+    d = decide(POLICY, obs(3600.0, flow=flow(3600.0, 4, arrived=15.0), flow_last=flow(3600.0, 4, arrived=20.0),
+                           queue_depth=AT_TARGET), LEARNED)
     assert (d.proposals[0].observed, d.desired_replicas) == (6000.0, up_to(12.0)) == (6000.0, 14)
     # Requests held at a router count too, cleared within a round: 30 over 15 s is 2/s more, 600 tokens/s.
     held = decide(POLICY, obs(2000.0, held_requests=30.0), LEARNED)
@@ -265,13 +266,14 @@ def test_an_unschedulable_pod_does_not_freeze_scale_up_within_the_pending_budget
     budget = POLICY.unschedulable_budget
     # 6000 tokens/s is 12 replicas' worth (ceil(12 / 0.9) = 14); 5 exist, 4 ready, 1 Pending-unschedulable. A
     # node autoscaler adds nodes for Pending pods: ask for budget - 1 more (up to 5 + 3 = 8) instead of waiting.
-    pending = obs(6000.0, ready=4, current=5, unschedulable_replicas=1)
+    pending = obs(6000.0, ready=4, current=5, unschedulable_replicas=1, queue_depth=AT_TARGET)
     d = decide(POLICY, pending, LEARNED)
     assert d.proposals[0].replicas == up_to(12.0) == 14
     assert (d.desired_replicas, d.limited_by) == (5 + budget - 1, "capacityBlocked")
     assert d.reason.endswith(f"limited to {5 + budget - 1}: 1 unschedulable pod, at most {budget} pending at once")
     # Next round all 4 new ones are unschedulable too: at the budget, scale-up waits for them.
-    full = obs(6000.0, ready=4, current=5 + budget - 1, unschedulable_replicas=budget, now=NOW + 15)
+    full = obs(6000.0, ready=4, current=5 + budget - 1, unschedulable_replicas=budget, now=NOW + 15,
+               queue_depth=AT_TARGET)
     assert (decide(POLICY, full, d.state).desired_replicas, decide(POLICY, full, d.state).limited_by) == (
         5 + budget - 1, "capacityBlocked")
 
@@ -319,3 +321,15 @@ def test_an_assumed_line_moves_only_where_the_queue_agrees() -> None:
     # A fitted line needs no agreement: the same round on LINE scales up at the target depth too.
     fitted = decide(POLICY, obs(3150.0, queue_depth=4 * 4.0, flow=rising, flow_last=rising), LEARNED)
     assert fitted.desired_replicas == 10
+
+
+def test_a_backlog_the_fleet_would_clear_slowly_is_sized_to_clear_within_DRAIN_S() -> None:
+    # 2000 tokens/s on 4 ready is exactly their worth (4 x 500); 64 requests held where 16 is the target leave 48
+    # past it, 14,400 tokens. The 4 have no surplus to clear them: sized for the demand plus 14,400 / DRAIN_S =
+    # 240 tokens/s more, 4.48 replicas' worth (past 4 x 1.1): ceil(4.48 / 0.9) = 5.
+    d = decide(POLICY, obs(2000.0, queue_depth=64.0), LEARNED)
+    assert d.desired_replicas == up_to(4 + 14_400 / DRAIN_S / PER) == 5
+    assert "a backlog of 48 requests past the queue target: sized to clear it within 60s" in d.reason
+    # At 1000 tokens/s the same 4 have 1000 tokens/s to spare: 14.4 s to clear it, within DRAIN_S: nobody new.
+    calm = decide(POLICY, obs(1000.0, queue_depth=64.0), LEARNED)
+    assert calm.desired_replicas <= 4 and "backlog" not in calm.reason

@@ -8,7 +8,9 @@
 #   the scale-down stabilization window then takes the highest of these over its span, so a scale-down holds at
 #   the window's peak demand (a feasibility check, not a timed ban). A significant demand trend (trend.py) sizes
 #   a rise for the next round and a fall for the window's end, never below the load now; a fall only where the
-#   line describes its samples (at the bottom of a cycle they curve away from it, and the load is turning).
+#   line describes its samples (at the bottom of a cycle they curve away from it, and the load is turning). A
+#   backlog past the queue target that the replicas serving or on their way would clear too slowly is sized to
+#   clear within DRAIN_S (the requests queued during a cold start otherwise wait minutes).
 # - Latency percentiles correct the model: a fresh, complete, queueing-bound breach lowers the per-replica
 #   capacity to below the load it happened at (so the same round proposes more); a TTFT breach whose requests
 #   hardly waited is prefill-bound and says so instead of adding replicas. Stale or partial data never votes up.

@@ -18,6 +18,10 @@ QUEUE_DEPTH_EXPONENT = 1.5
 # is a hockey stick near saturation, and a linear vote on it overshoots several-fold.
 LATENCY_STEP_MAX = 1.5
 NOISE_Z = 2.0  # scale-down headroom: this many standard deviations of the demand around its 10-minute trend
+# A backlog past the queue target is sized to clear within this many seconds: demand alone leaves the requests
+# that queued during a cold start waiting minutes (every one of them past the TTFT target) while the fleet serves
+# only what arrives. In the suite, 60 s held the bar in 18 of 33 cases against 15 without; 120 s, 16.
+DRAIN_S = 60.0
 MAX_MARGIN = 2 / 3  # at most three times the capacity the load needs (a burst to 3x its base)
 
 
@@ -88,6 +92,7 @@ def _capacity_vote(policy: AutoscalingPolicy, obs: Observation, stale: int, proj
             load = ahead
             v.notes.append(f"demand rising {proj.per_min()}/min: sized for {horizon:.0f}s ahead, when a new "
                            "replica would serve")
+    load = _with_backlog(policy, obs, dem, per, effective, load, lead, v)
     if load > effective * (1 + tol):
         # Up to where the load fits with the tolerance as margin, as a scale-down must: demand keeps moving while
         # the new replicas start, and stopping exactly at the load would leave each at its target.
@@ -116,6 +121,25 @@ def _capacity_vote(policy: AutoscalingPolicy, obs: Observation, stale: int, proj
     v.proposals.append(p)
     v.held |= within and n != current
     v.votes.append((current if within else _up(obs, stale, n) if n > effective else n, p))
+
+
+def _with_backlog(policy: AutoscalingPolicy, obs: Observation, dem: Demand, per: float, effective: int,
+                  load: float, lead: float, v: Votes) -> float:
+    """The load plus what clears the backlog (requests held past the queue target) within DRAIN_S, where the
+    replicas serving or on their way, each at its target, would take longer than that or than a new replica takes
+    to start (a backlog they clear first needs nobody new)."""
+    target = policy.queue_depth_per_replica
+    if target is None or obs.queue_depth is None or dem.tokens_per_request <= 0:
+        return load
+    backlog = (obs.queue_depth - obs.ready_replicas * target) * dem.tokens_per_request  # tokens
+    if backlog <= 0:
+        return load
+    surplus = effective * per - dem.tokens_per_s
+    if surplus > 0 and backlog / surplus <= max(lead, DRAIN_S):
+        return load
+    v.notes.append(f"a backlog of {backlog / dem.tokens_per_request:,.0f} requests past the queue target: sized to "
+                   f"clear it within {DRAIN_S:.0f}s")
+    return load + backlog / DRAIN_S / per
 
 
 def _confirm_by_queue(policy: AutoscalingPolicy, obs: Observation, v: Votes) -> None:
