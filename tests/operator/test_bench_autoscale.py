@@ -3,6 +3,7 @@ decision function never flaps and meets the TTFT target at least as often as the
 
 from __future__ import annotations
 
+import math
 import sys
 from pathlib import Path
 
@@ -113,3 +114,26 @@ def test_window_quantile_path_sees_the_simulated_latency() -> None:
     lo = max((b for b in contract.TTFT_BUCKETS if b < ttfts[10]), default=0.0)
     hi = min(b for b in contract.TTFT_BUCKETS if b >= ttfts[9])
     assert p50 is not None and lo <= p50 <= hi
+
+
+def test_trace_case_marks_the_windows_the_score_counts_as_missed(capsys: pytest.CaptureFixture[str]) -> None:
+    import trace_case
+    from policies import Setup, make_policies
+    from suite import Case, Runner
+
+    setup, case, seed, scale = Setup(GPU), Case("step", "2m", "none"), 1, 0.2
+    assert trace_case.main(["step", "2m", "none", str(seed), "--scale", str(scale), "--decisions", "0", "120"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    rows = [line for line in out if line[:3].strip().isdigit() and "|" in line]
+    # The tracer's own reading of each window must agree with the score's: kvfleet's column marks as over the target
+    # exactly the windows the bar counts as missed.
+    trace = Runner(setup, scale).trace(case, seed)
+    initial = max(setup.min_replicas, math.ceil(trace.rate(0.0) / setup.unit))
+    run = simulate(trace, make_policies(setup)[0], case.model(GPU), initial, None, seed)
+    met, windows = scoring.window_slo(run.requests, setup.ttft_target)
+    kv_cells = [row.split("|")[1] for row in rows]
+    assert len(rows) == windows > 0
+    assert sum("x" not in cell for cell in kv_cells) == met < windows  # the step loses some windows
+    assert any(line.startswith("kvfleet events") and "+" in line for line in out)  # it scaled up
+    decisions = [line for line in out if "->" in line]
+    assert decisions and all(0 <= float(line.split()[0]) <= 120 for line in decisions)
