@@ -16,6 +16,10 @@ from kvfleet_router.picker import ReplicaLoad, Ring
 
 log = logging.getLogger(__name__)
 GAUGES = (contract.REQUESTS_WAITING, contract.REQUESTS_RUNNING, contract.KV_CACHE_USAGE)
+# Scrapes in a row that may time out before a ready replica counts as unready (a Kubernetes readiness probe's default
+# failureThreshold). A replica too busy to answer within the timeout is loaded, not gone: taking it out at once would
+# pile its share onto the others exactly under load. A refused connection or a /ready that says no acts at once.
+TIMEOUTS_BEFORE_UNREADY = 3
 
 
 @dataclass
@@ -30,6 +34,7 @@ class Replica:
     running: float = 0.0
     kv_usage: float = 0.0
     scraped_at: float = 0.0  # monotonic seconds of the last good scrape
+    timeouts: int = 0  # scrapes in a row that timed out
     finished_since_scrape: int = 0  # our requests that ended after the last scrape counted them
 
     def load(self) -> ReplicaLoad:
@@ -112,7 +117,8 @@ class Fleet:
             self.on_ready(model)
 
     async def scrape(self, session: aiohttp.ClientSession) -> None:
-        """One round: every replica's /ready and /metrics, concurrently; a replica that fails either is unready."""
+        """One round: every replica's /ready and /metrics, concurrently; a replica that fails either is unready (after
+        TIMEOUTS_BEFORE_UNREADY rounds in a row where it only timed out)."""
         async def one(model: str, r: Replica) -> None:
             try:
                 async with session.get(f"{r.url}/ready") as resp:
@@ -126,7 +132,13 @@ class Fleet:
                     r.kv_usage = gauges.get(contract.KV_CACHE_USAGE, 0.0)
                     r.scraped_at = time.monotonic()
                     r.finished_since_scrape = 0
-            except (aiohttp.ClientError, TimeoutError, ValueError) as e:
+                r.timeouts = 0
+            except TimeoutError:  # before ClientError: aiohttp's read timeout is both
+                r.timeouts += 1
+                ok = r.ready and r.timeouts < TIMEOUTS_BEFORE_UNREADY  # its gauges stay as last read
+                if r.ready and not ok:
+                    log.warning("replica %s of %s did not answer %d scrapes in a row", r.name, model, r.timeouts)
+            except (aiohttp.ClientError, ValueError) as e:
                 if r.ready:
                     log.warning("replica %s of %s stopped answering: %s", r.name, model, e)
                 ok = False

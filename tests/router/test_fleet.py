@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+import asyncio
+
+import aiohttp
+from aiohttp import web
+
 from kvfleet_contract import metrics as contract
-from kvfleet_router.fleet import Fleet, Replica, parse_gauges
+from kvfleet_router.fleet import TIMEOUTS_BEFORE_UNREADY, Fleet, Replica, parse_gauges
 
 
 def test_requests_that_finished_since_the_scrape_no_longer_count() -> None:
@@ -36,3 +41,47 @@ def test_the_first_ready_replica_of_a_model_releases_its_held_requests() -> None
     assert woken == ["m"] and [r.name for r in fleet.ready("m")] == ["a", "b"]
     fleet.set_endpoints("m", {"a": "http://a", "c": "http://c"})  # a keeps its state, b goes, c starts unready
     assert [r.name for r in fleet.ready("m")] == ["a"] and fleet.models["m"]["a"] is a
+
+
+def test_a_replica_that_times_out_stays_ready_until_it_misses_three_scrapes_and_a_refusal_acts_at_once() -> None:
+    async def body() -> None:
+        release = asyncio.Event()
+        stalled = [False]
+
+        async def ready(_: web.Request) -> web.Response:
+            if stalled[0]:
+                await release.wait()  # busy: answers only once released, long after the scrape's timeout
+            return web.Response(text="ok")
+
+        async def metrics(_: web.Request) -> web.Response:
+            return web.Response(text=f"# TYPE {contract.REQUESTS_WAITING} gauge\n{contract.REQUESTS_WAITING} 7.0\n")
+
+        app = web.Application()
+        app.router.add_get("/ready", ready)
+        app.router.add_get("/metrics", metrics)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        port = runner.addresses[0][1]
+        fleet = Fleet(on_ready=lambda model: None)
+        fleet.set_endpoints("m", {"a": f"http://127.0.0.1:{port}"})
+        a = fleet.models["m"]["a"]
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=0.2)) as session:
+            await fleet.scrape(session)
+            assert a.ready and a.waiting == 7.0
+            stalled[0] = True
+            seen = []
+            for _ in range(TIMEOUTS_BEFORE_UNREADY):
+                await fleet.scrape(session)
+                seen.append(a.ready)
+            assert seen == [True] * (TIMEOUTS_BEFORE_UNREADY - 1) + [False] and a.waiting == 7.0
+            stalled[0] = False
+            release.set()
+            await fleet.scrape(session)
+            assert a.ready and a.timeouts == 0  # answering again: ready, and the count starts over
+            await runner.cleanup()  # now nothing listens on the port: refused, unready on the first scrape
+            await fleet.scrape(session)
+            assert not a.ready
+
+    asyncio.run(asyncio.wait_for(body(), 30))
