@@ -9,10 +9,16 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from hypothesis import settings
 from llm_helpers import ENGINE_OPTIONS
 
 from kvfleet_agent.llm import LLM
 from kvfleet_agent.models.tiny import ARCHS, init_tiny
+
+# No per-example deadline for property tests (Hypothesis' default is 200 ms): on a loaded 2-core CI machine one
+# stalled example fails a property that holds, as DeadlineExceeded or Flaky. Speed is the benchmarks' business.
+settings.register_profile("kvfleet", deadline=None)
+settings.load_profile("kvfleet")
 
 # Asserts in the shared helper modules report their operands too, as the tests' own asserts do.
 pytest.register_assert_rewrite("bookkeeping_helpers", "kernel_helpers", "loader_helpers")
