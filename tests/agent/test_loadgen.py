@@ -196,8 +196,11 @@ def test_failures_timeouts_and_cancellation_over_http(mode: str, status: str, er
     async def body() -> None:
         async with serving(server.app()) as url:
             hang = mode == "hang_after_first"  # cut off by the run's duration, not by the request timeout
-            cfg = _cfg(url, model="m", num_requests=3, request_timeout_s=10.0 if hang else 0.3,
-                       duration_s=0.4 if hang else None)
+            # Only the silent server is meant to time out: the others answer at once, and 10 s keeps a slow moment
+            # of a loaded machine from turning their error into "timed out". The hang's duration leaves room for
+            # all three first tokens.
+            timeout = 0.3 if mode == "no_response" else 10.0
+            cfg = _cfg(url, model="m", num_requests=3, request_timeout_s=timeout, duration_s=3.0 if hang else None)
             res = await run_benchmark(cfg)
         recs = res.outcome.records
         assert [r.status for r in recs] == [status] * 3

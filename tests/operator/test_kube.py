@@ -106,17 +106,21 @@ def test_only_a_wrong_request_is_permanent(code: int, permanent: bool) -> None:
 
 
 def test_relogin_does_not_break_requests_in_flight_on_the_old_session() -> None:
+    slow_arrived, relogged = asyncio.Event(), asyncio.Event()
+
     async def handler(r: web.Request) -> web.Response:
         if r.headers.get("Authorization") == "Bearer new":
+            relogged.set()
             return web.json_response({"ok": r.path})
         if r.path.endswith("/slow"):
-            await asyncio.sleep(0.3)  # still running when the other request's 401 swaps the session
+            slow_arrived.set()
+            await relogged.wait()  # still running when the other request's 401 swaps the session
             return web.json_response({"ok": r.path})
         return status(401, "Unauthorized", "token expired")
 
     async def body(k: Kube) -> list[Any]:
         slow = asyncio.create_task(k.get("Deployment", "ns", "slow"))
-        await asyncio.sleep(0.05)
+        await slow_arrived.wait()  # the slow request is in flight on the old session
         fast = await k.get("Deployment", "ns", "fast")
         return [await slow, fast]
 
