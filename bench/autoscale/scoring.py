@@ -47,16 +47,20 @@ def p95(values: Sequence[float]) -> float:
     return values[min(len(values) - 1, math.ceil(0.95 * len(values)) - 1)] if values else math.nan
 
 
-def window_slo(requests: Iterable[Request], ttft_target: float, window: float = WINDOW_S) -> tuple[int, int]:
-    """(windows met, windows): requests grouped into `window`-second windows by arrival time; each window with
-    arrivals meets the SLO when the TTFT p95 of its requests is within the target. A request never served
-    counts as an infinite TTFT."""
+def window_p95s(requests: Iterable[Request], window: float = WINDOW_S) -> dict[int, float]:
+    """TTFT p95 of each `window`-second window of arrivals that has any (keyed by the window's index); a request
+    never served counts as an infinite TTFT."""
     by_window: dict[int, list[float]] = {}
     for r in requests:
         ttft = math.inf if r.first_token is None else r.first_token - r.arrival
         by_window.setdefault(int(r.arrival // window), []).append(ttft)
-    met = sum(1 for ttfts in by_window.values() if p95(sorted(ttfts)) <= ttft_target)
-    return met, len(by_window)
+    return {k: p95(sorted(ttfts)) for k, ttfts in by_window.items()}
+
+
+def window_slo(requests: Iterable[Request], ttft_target: float, window: float = WINDOW_S) -> tuple[int, int]:
+    """(windows met, windows): each window of arrivals meets the SLO when its TTFT p95 is within the target."""
+    p95s = window_p95s(requests, window)
+    return sum(1 for v in p95s.values() if v <= ttft_target), len(p95s)
 
 
 def score(run: RunResult, ttft_target: float) -> Score:

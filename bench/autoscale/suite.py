@@ -11,7 +11,7 @@ from dataclasses import dataclass, replace
 from policies import Setup, make_policies
 from replica import ReplicaModel
 from scoring import Score, combine, rolling_p95, score
-from simulator import FAULTS, Fault, FaultKind, RunResult, simulate
+from simulator import FAULTS, Autoscaler, Fault, FaultKind, RunResult, simulate
 from workload import TRACE_NAMES, Trace, traces
 
 # Cold starts (creation → ready), each drawn within ±20% of its centre; "preset": the replica preset's own range.
@@ -82,14 +82,18 @@ class Runner:
     def trace(self, case: Case, seed: int) -> Trace:
         return traces(self.setup.unit, self.scale, seed, float(self.setup.max_replicas))[case.trace]
 
-    def __call__(self, task: Task) -> tuple[Task, str, Score, RunResult | None]:
+    def simulate(self, case: Case, policy: Autoscaler, seed: int) -> RunResult:
+        """One case under `policy` on `seed`: the seeded trace, starting at the replicas its initial load needs, with
+        the case's cold starts and fault."""
         s = self.setup
-        trace = self.trace(task.case, task.seed)
-        policy = make_policies(s)[task.policy]
+        trace = self.trace(case, seed)
         initial = max(s.min_replicas, math.ceil(trace.rate(0.0) / s.unit))
-        run = simulate(trace, policy, task.case.model(s.model), initial, None, task.seed,
-                       fault=Fault.of(task.case.fault, trace))
-        result = score(run, s.ttft_target)
+        return simulate(trace, policy, case.model(s.model), initial, None, seed, fault=Fault.of(case.fault, trace))
+
+    def __call__(self, task: Task) -> tuple[Task, str, Score, RunResult | None]:
+        policy = make_policies(self.setup)[task.policy]
+        run = self.simulate(task.case, policy, task.seed)
+        result = score(run, self.setup.ttft_target)
         if task.keep:
             run.p95_series = rolling_p95(run)
         run.requests.clear()  # hundreds of thousands of objects: only the plot's series travel back

@@ -18,20 +18,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # run as a script: the
 
 from policies import Kvfleet, Setup, make_policies
 from replica import PRESETS
-from scoring import WINDOW_S, p95
-from simulator import FAULTS, Fault, RunResult, fault_kind, simulate
+from scoring import WINDOW_S, window_p95s
+from simulator import FAULTS, RunResult, fault_kind
 from suite import COLD_STARTS, SUITE_SCALE, Case, Runner
 from workload import TRACE_NAMES
-
-
-def window_p95(run: RunResult) -> dict[int, float]:
-    """TTFT p95 of each 1-minute window of arrivals (a request never served counts as infinite), as the score
-    judges it."""
-    by: dict[int, list[float]] = {}
-    for r in run.requests:
-        by.setdefault(int(r.arrival // WINDOW_S), []).append(
-            math.inf if r.first_token is None else r.first_token - r.arrival)
-    return {k: p95(sorted(v)) for k, v in by.items()}
 
 
 def replicas_at(run: RunResult, t: float) -> tuple[int, int]:
@@ -46,12 +36,11 @@ def replicas_at(run: RunResult, t: float) -> tuple[int, int]:
 
 def report(case: Case, seed: int, setup: Setup, scale: float, decisions: tuple[float, float] | None) -> str:
     """The minute-by-minute table, the events and kvfleet's decisions, as text."""
-    trace = Runner(setup, scale).trace(case, seed)
+    runner = Runner(setup, scale)
+    trace = runner.trace(case, seed)
     policies = make_policies(setup)
-    initial = max(setup.min_replicas, math.ceil(trace.rate(0.0) / setup.unit))
-    runs = [simulate(trace, p, case.model(setup.model), initial, None, seed, fault=Fault.of(case.fault, trace))
-            for p in policies]
-    p95s = [window_p95(r) for r in runs]
+    runs = [runner.simulate(case, p, seed) for p in policies]
+    p95s = [window_p95s(r.requests) for r in runs]  # as the score judges each window
     lines = [f"{case.label}, seed {seed}: per 1-minute window, TTFT p95 s (x: over {setup.ttft_target:g} s) and "
              "replicas spec/ready at its end",
              "min  load | " + " | ".join(f"{r.policy:>16}" for r in runs)]

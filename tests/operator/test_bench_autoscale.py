@@ -3,7 +3,6 @@ decision function never flaps and meets the TTFT target at least as often as the
 
 from __future__ import annotations
 
-import math
 import sys
 from pathlib import Path
 
@@ -127,9 +126,7 @@ def test_trace_case_marks_the_windows_the_score_counts_as_missed(capsys: pytest.
     rows = [line for line in out if line[:3].strip().isdigit() and "|" in line]
     # The tracer's own reading of each window must agree with the score's: kvfleet's column marks as over the target
     # exactly the windows the bar counts as missed.
-    trace = Runner(setup, scale).trace(case, seed)
-    initial = max(setup.min_replicas, math.ceil(trace.rate(0.0) / setup.unit))
-    run = simulate(trace, make_policies(setup)[0], case.model(GPU), initial, None, seed)
+    run = Runner(setup, scale).simulate(case, make_policies(setup)[0], seed)
     met, windows = scoring.window_slo(run.requests, setup.ttft_target)
     kv_cells = [row.split("|")[1] for row in rows]
     assert len(rows) == windows > 0
