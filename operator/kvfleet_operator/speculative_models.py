@@ -12,9 +12,11 @@ from kvfleet_operator.rules import Rule, SourceRules, cel, check, source_rules
 
 # The agent's limits and defaults (kvfleet_agent/spec_config.py), declared again: the operator imports nothing of
 # the agent. tests/operator/test_speculative_models.py checks that both agree.
-METHODS = ("ngram", "draft_model")
+METHODS = ("ngram", "suffix", "draft_model")
 MAX_SPECULATIVE_TOKENS = 16
 DEFAULT_PROMPT_LOOKUP = 5  # vLLM's prompt_lookup_min and _max when neither is given
+# suffix decoding's max tree depth, cached requests, max spec factor and min token probability when not given
+DEFAULT_SUFFIX = (8, 10_000, 1.0, 0.1)
 # Where the agent container finds the checkpoints: the target's volume at /models/<spec.model.name> (builders.py),
 # the draft's at /draft-models/<spec.model.name>; distinct roots, so neither mount can hide the other.
 TARGET_MODELS_DIR, DRAFT_MODELS_DIR = "/models", "/draft-models"
@@ -24,10 +26,10 @@ DRAFT_SOURCE_RULES = source_rules(f"{_SC}.draftModel.source")
 DRAFT_MODEL_REQUIRED_RULE = Rule("self.method != 'draft_model' || has(self.draftModel)",
                                  f"{_SC}.draftModel is required when method is draft_model: give the draft "
                                  "checkpoint's source (pvc, hostPath or image; a small model sharing the target's "
-                                 "tokenizer), or use method ngram, which needs no model")
+                                 "tokenizer), or use method ngram or suffix, which need no model")
 DRAFT_MODEL_UNUSED_RULE = Rule("self.method == 'draft_model' || !has(self.draftModel)",
-                               f"{_SC}.draftModel is set but method is ngram, which uses no model: remove draftModel, "
-                               "or set method to draft_model", ".draftModel")
+                               f"{_SC}.draftModel is set but method is not draft_model (ngram and suffix use no "
+                               "model): remove draftModel, or set method to draft_model", ".draftModel")
 PROMPT_LOOKUP_METHOD_RULE = Rule("self.method == 'ngram' || (!has(self.promptLookupMin) && "
                                  "!has(self.promptLookupMax))",
                                  f"{_SC}.promptLookupMin and promptLookupMax apply to method ngram only: remove them, "
@@ -36,6 +38,11 @@ PROMPT_LOOKUP_ORDER_RULE = Rule("!has(self.promptLookupMin) || !has(self.promptL
                                 "self.promptLookupMin <= self.promptLookupMax",
                                 f"{_SC}.promptLookupMin must be <= promptLookupMax: swap them, or give one alone "
                                 "(it sets the other, as in vLLM)", ".promptLookupMin")
+SUFFIX_METHOD_RULE = Rule("self.method == 'suffix' || (!has(self.suffixDecodingMaxTreeDepth) && "
+                          "!has(self.suffixDecodingMaxCachedRequests) && !has(self.suffixDecodingMaxSpecFactor) && "
+                          "!has(self.suffixDecodingMinTokenProb))",
+                          f"{_SC}.suffixDecoding* fields apply to method suffix only: remove them, or set method to "
+                          "suffix")
 # On InferenceDeploymentSpec, which sees both sources: an image path inside the other model's mount would be hidden.
 _DRAFT = "has(self.runtime) && has(self.runtime.speculativeConfig) && has(self.runtime.speculativeConfig.draftModel)"
 _DRAFT_SOURCE = "self.runtime.speculativeConfig.draftModel.source"
@@ -52,7 +59,7 @@ TARGET_IMAGE_MOUNT_RULE = Rule(
     f"model's volume ({_SC}.draftModel) is mounted over it: keep the model elsewhere in the image, e.g. "
     "/opt/models/tiny", ".model.source.image.path")
 RULES = (*DRAFT_SOURCE_RULES.all(), DRAFT_MODEL_REQUIRED_RULE, DRAFT_MODEL_UNUSED_RULE, PROMPT_LOOKUP_METHOD_RULE,
-         PROMPT_LOOKUP_ORDER_RULE, DRAFT_IMAGE_MOUNT_RULE, TARGET_IMAGE_MOUNT_RULE)
+         PROMPT_LOOKUP_ORDER_RULE, SUFFIX_METHOD_RULE, DRAFT_IMAGE_MOUNT_RULE, TARGET_IMAGE_MOUNT_RULE)
 
 
 class DraftPvcSource(PvcSource):
@@ -104,23 +111,35 @@ class SpeculativeConfigSpec(SpecModel):
     step, which the model verifies in one pass (greedy outputs are unchanged; sampled ones keep their distribution)."""
 
     model_config = ConfigDict(json_schema_extra=cel(DRAFT_MODEL_REQUIRED_RULE, DRAFT_MODEL_UNUSED_RULE,
-                                                    PROMPT_LOOKUP_METHOD_RULE, PROMPT_LOOKUP_ORDER_RULE))
-    method: Literal["ngram", "draft_model"]
+                                                    PROMPT_LOOKUP_METHOD_RULE, PROMPT_LOOKUP_ORDER_RULE,
+                                                    SUFFIX_METHOD_RULE))
+    method: Literal["ngram", "suffix", "draft_model"]
     """ngram: prompt lookup, drafts copied from where the last tokens occurred before in the prompt or output (no
-    extra model; good for summaries, code edits, RAG); draft_model: a small model's greedy guesses (draftModel)."""
+    extra model; good for summaries, code edits, RAG); suffix: the same lookup also over earlier requests' outputs,
+    each continuation by how often it followed (no extra model; good for agents and repeated tasks); draft_model: a
+    small model's greedy guesses (draftModel)."""
     num_speculative_tokens: int = Field(ge=1, le=MAX_SPECULATIVE_TOKENS)
     """Most draft tokens a request verifies per step (3 to 5 is typical)."""
     prompt_lookup_min: int | None = Field(default=None, ge=1, le=1024)
     """ngram only: the shortest n-gram matched (default: promptLookupMax if given, else 5, as vLLM)."""
     prompt_lookup_max: int | None = Field(default=None, ge=1, le=1024)
     """ngram only: the longest n-gram matched (default: promptLookupMin if given, else 5, as vLLM)."""
+    suffix_decoding_max_tree_depth: int | None = Field(default=None, ge=1, le=64)
+    """suffix only: the longest context matched (default 8)."""
+    suffix_decoding_max_cached_requests: int | None = Field(default=None, ge=0, le=1000000)
+    """suffix only: finished requests' outputs kept for later ones, oldest evicted first; 0 keeps none (default
+    10000)."""
+    suffix_decoding_max_spec_factor: float | None = Field(default=None, ge=0.0, le=64.0)
+    """suffix only: a match of n tokens proposes at most this times n (default 1.0)."""
+    suffix_decoding_min_token_prob: float | None = Field(default=None, ge=0.0, le=1.0)
+    """suffix only: stop proposing where the continuation's estimated probability falls below this (default 0.1)."""
     disable_by_batch_size: int | None = Field(default=None, ge=1, le=1000000)
     """No speculation while this many decodes or more are running (default: speculate at any batch size)."""
     adaptive: bool = True
     """Let the agent pick each step's draft length from measured acceptance and step cost, down to none when
     speculation does not pay; false always drafts numSpeculativeTokens."""
     draft_model: DraftModelSpec | None = None
-    """The draft checkpoint: required with method draft_model, refused with ngram."""
+    """The draft checkpoint: required with method draft_model, refused with ngram and suffix."""
 
     @model_validator(mode="after")
     def _rules(self) -> SpeculativeConfigSpec:
@@ -129,7 +148,12 @@ class SpeculativeConfigSpec(SpecModel):
         lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
         check(self.method == "ngram" or (lo is None and hi is None), PROMPT_LOOKUP_METHOD_RULE)
         check(lo is None or hi is None or lo <= hi, PROMPT_LOOKUP_ORDER_RULE)
+        check(self.method == "suffix" or self._suffix_given() == (None,) * 4, SUFFIX_METHOD_RULE)
         return self
+
+    def _suffix_given(self) -> tuple[int | float | None, ...]:
+        return (self.suffix_decoding_max_tree_depth, self.suffix_decoding_max_cached_requests,
+                self.suffix_decoding_max_spec_factor, self.suffix_decoding_min_token_prob)
 
     def prompt_lookup(self) -> tuple[int, int]:
         """The n-gram bounds in force: one given sets the other; neither, vLLM's 5 and 5."""
@@ -142,6 +166,11 @@ class SpeculativeConfigSpec(SpecModel):
         out: dict[str, Any] = {"method": self.method, "num_speculative_tokens": self.num_speculative_tokens}
         if self.method == "draft_model":
             out["model"] = draft_dir
+        elif self.method == "suffix":
+            keys = ("suffix_decoding_max_tree_depth", "suffix_decoding_max_cached_requests",
+                    "suffix_decoding_max_spec_factor", "suffix_decoding_min_token_prob")
+            out |= {key: default if v is None else v
+                    for key, v, default in zip(keys, self._suffix_given(), DEFAULT_SUFFIX, strict=True)}
         else:
             out["prompt_lookup_min"], out["prompt_lookup_max"] = self.prompt_lookup()
         if self.disable_by_batch_size is not None:

@@ -1,7 +1,7 @@
-"""Speculative decoding (n-gram prompt lookup) through the offline API: greedy outputs token-for-token those of plain
-decoding for every architecture, under preemption, prefix-cache hits and chunked prefill; stop strings, stop ids
-and max_tokens landing inside a speculated run; seeded sampling reproducible; the adaptive policy turning a useless
-speculation off; the counters and the agent's /metrics."""
+"""Speculative decoding (n-gram prompt lookup, suffix decoding) through the offline API: greedy outputs
+token-for-token those of plain decoding for every architecture, under preemption, prefix-cache hits and chunked
+prefill; stop strings, stop ids and max_tokens landing inside a speculated run; seeded sampling reproducible; the
+adaptive policy turning a useless speculation off; the counters and the agent's /metrics."""
 
 from __future__ import annotations
 
@@ -23,19 +23,23 @@ from kvfleet_agent.sampling_params import SamplingParams
 # path; k=3 with lookup from a single token, so random checkpoints get proposals too.
 NGRAM: dict[str, Any] = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
                          "prompt_lookup_max": 3, "adaptive": False}
+# Suffix decoding forced likewise, proposing from any match however unlikely.
+SUFFIX: dict[str, Any] = {"method": "suffix", "num_speculative_tokens": 3, "suffix_decoding_min_token_prob": 0.0,
+                          "suffix_decoding_max_spec_factor": 4.0, "adaptive": False}
 REPETITIVE = ["a b c a b c a b c a b", "one two one two one two", "x = x + 1\nx = x + 1\nx = x + 1\n",
               "the cat the cat the cat the", "hello world"]
 
 
+@pytest.mark.parametrize("method", ["ngram", "suffix"])
 @pytest.mark.parametrize("arch", ["llama", "llama3", "qwen2", "mistral"])
 def test_greedy_outputs_equal_plain_decoding_for_every_architecture(tiny_checkpoint: Callable[..., str],
-                                                                   arch: str) -> None:
+                                                                   arch: str, method: str) -> None:
     ckpt = tiny_checkpoint(arch)
     # Random weights seldom continue an n-gram: 100 tokens a prompt give a few accepted drafts (deterministic: the
     # checkpoints are seeded), so both the accepting and the rejecting paths run.
     params = SamplingParams(temperature=0.0, max_tokens=100, ignore_eos=True)
     plain, _ = run(ckpt, REPETITIVE, params, None)
-    spec, llm = run(ckpt, REPETITIVE, params, NGRAM)
+    spec, llm = run(ckpt, REPETITIVE, params, NGRAM if method == "ngram" else SUFFIX)
     same(plain, spec)
     proposed, accepted = drafted(llm)
     assert proposed > 100 and accepted > 0, (proposed, accepted)
@@ -58,6 +62,25 @@ def test_exact_under_preemption_prefix_hits_and_chunked_prefill(tiny_checkpoint:
     assert stats.prefix_cache_hits > 0 and llm.engine.scheduler.num_partial_prefills > 0
     proposed, accepted = drafted(llm)
     assert accepted > proposed / 2, (proposed, accepted)
+
+
+def test_suffix_decoding_is_exact_under_preemption_and_proposes_from_earlier_requests(
+        tiny_checkpoint: Callable[..., str]) -> None:
+    """The same prompts again, after the first ones finished: the shared cache holds their outputs, so the repeats'
+    drafts are mostly accepted; meanwhile a tight pool preempts and chunks, and every output stays plain decoding's."""
+    ckpt = tiny_checkpoint("llama")
+    prompts = [f"{i} unrelated words here {i}" for i in range(5)]
+    params = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
+    tight = _tight_pool(ckpt, {"block_size": 4, "max_num_batched_tokens": 24, "max_model_len": 128})
+    plain, _ = run(ckpt, prompts * 3, params, None, **tight)
+    llm = LLM(model=ckpt, **{**ENGINE_OPTIONS, **tight}, speculative_config=SUFFIX)
+    first = [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
+    before = drafted(llm)
+    again = [o.outputs[0] for o in llm.generate(prompts * 2, params, use_tqdm=False)]
+    same(plain, first + again)
+    proposed, accepted = (a - b for a, b in zip(drafted(llm), before, strict=True))
+    assert llm.engine.stats().num_preemptions > 0
+    assert accepted > 0.8 * proposed and proposed > 5 * 40, (proposed, accepted)
 
 
 def _tight_pool(ckpt: str, options: dict[str, Any]) -> dict[str, Any]:
@@ -162,6 +185,11 @@ def test_a_bad_speculative_config_is_refused_naming_the_key(tiny_checkpoint: Cal
                        ({"method": "ngram"}, "num_speculative_tokens=None must be an integer"),
                        ({"method": "ngram", "num_speculative_tokens": 2, "typo": 1}, "speculative_config.typo"),
                        ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 4,
-                         "prompt_lookup_max": 2}, "prompt_lookup_min=4 is above prompt_lookup_max=2")):
+                         "prompt_lookup_max": 2}, "prompt_lookup_min=4 is above prompt_lookup_max=2"),
+                       ({"method": "ngram", "num_speculative_tokens": 2, "suffix_decoding_max_tree_depth": 4},
+                        "suffix_decoding_max_tree_depth applies to method 'suffix' only"),
+                       ({"method": "suffix", "suffix_decoding_min_token_prob": 2},
+                        "suffix_decoding_min_token_prob=2 must be a number from 0.0 to 1.0"),
+                       ({"method": "suffix", "model": "/d"}, "method is 'suffix', which uses no model")):
         with pytest.raises(ValueError, match=says.replace("(", r"\(").replace("[", r"\[")):
             LLM(model=tiny_checkpoint("llama"), **ENGINE_OPTIONS, speculative_config=spec)

@@ -21,6 +21,7 @@ BASE: dict[str, Any] = {"model": {"name": "m", "source": {"pvc": {"claimName": "
 NGRAM: dict[str, Any] = {"method": "ngram", "numSpeculativeTokens": 3}
 DRAFT_PVC: dict[str, Any] = {"source": {"pvc": {"claimName": "drafts"}}}
 DRAFT: dict[str, Any] = {"method": "draft_model", "numSpeculativeTokens": 3, "draftModel": DRAFT_PVC}
+SUFFIX: dict[str, Any] = {"method": "suffix", "numSpeculativeTokens": 4}
 DR = sm.DRAFT_SOURCE_RULES
 
 
@@ -44,6 +45,11 @@ CASES: list[tuple[str, dict[str, Any], dict[str, Any] | None, Rule]] = [
     ("ngram with a draftModel", {**NGRAM, "draftModel": DRAFT_PVC}, None, sm.DRAFT_MODEL_UNUSED_RULE),
     ("promptLookupMax with draft_model", {**DRAFT, "promptLookupMax": 3}, None, sm.PROMPT_LOOKUP_METHOD_RULE),
     ("promptLookupMin with draft_model", {**DRAFT, "promptLookupMin": 1}, None, sm.PROMPT_LOOKUP_METHOD_RULE),
+    ("suffix with a draftModel", {**SUFFIX, "draftModel": DRAFT_PVC}, None, sm.DRAFT_MODEL_UNUSED_RULE),
+    ("suffixDecodingMaxTreeDepth with ngram", {**NGRAM, "suffixDecodingMaxTreeDepth": 4}, None,
+     sm.SUFFIX_METHOD_RULE),
+    ("suffixDecodingMinTokenProb with draft_model", {**DRAFT, "suffixDecodingMinTokenProb": 0.2}, None,
+     sm.SUFFIX_METHOD_RULE),
     ("promptLookupMin above promptLookupMax", {**NGRAM, "promptLookupMin": 4, "promptLookupMax": 2}, None,
      sm.PROMPT_LOOKUP_ORDER_RULE),
     ("draft with two sources", draft({"pvc": {"claimName": "d"}, "image": {"path": "/d"}}), None, DR.source),
@@ -87,6 +93,9 @@ def test_draft_source_messages_name_the_draft_field() -> None:
     ({**NGRAM, "promptLookupMin": 2, "promptLookupMax": 2, "disableByBatchSize": 1, "adaptive": False}, None),
     ({**NGRAM, "promptLookupMin": 7}, None),  # one alone sets the other (vLLM)
     ({**NGRAM, "numSpeculativeTokens": sm.MAX_SPECULATIVE_TOKENS}, None),
+    (SUFFIX, None),
+    ({**SUFFIX, "suffixDecodingMaxTreeDepth": 16, "suffixDecodingMaxCachedRequests": 0,
+      "suffixDecodingMaxSpecFactor": 2.5, "suffixDecodingMinTokenProb": 0.0}, None),
     (DRAFT, None),
     (draft({"hostPath": {"path": "/data/models/draft"}}), None),
     (draft({"image": {"path": "/models/m-draft"}}), None),  # beside /models/m, not inside it
@@ -103,6 +112,8 @@ def test_schema_ranges_and_required_keys() -> None:
     for bad in ({"method": "ngram"}, {"numSpeculativeTokens": 3}, {**NGRAM, "method": "eagle"},
                 {**NGRAM, "numSpeculativeTokens": 0}, {**NGRAM, "numSpeculativeTokens": 17},
                 {**NGRAM, "promptLookupMin": 0}, {**NGRAM, "disableByBatchSize": 0}, {**NGRAM, "model": "/x"},
+                {**SUFFIX, "suffixDecodingMaxTreeDepth": 0}, {**SUFFIX, "suffixDecodingMinTokenProb": 1.5},
+                {**SUFFIX, "suffixDecodingMaxCachedRequests": -1},
                 {**DRAFT, "draftModel": {"source": {"pvc": {"claimName": "d"}}, "tensorParallelSize": 2}}):
         with pytest.raises(ValidationError):
             spec(bad)
@@ -127,23 +138,40 @@ def test_limits_declared_again_agree_with_the_agent() -> None:
     defaults = SpeculativeConfig("ngram", 1)
     assert (defaults.prompt_lookup_min, defaults.prompt_lookup_max) == (sm.DEFAULT_PROMPT_LOOKUP,) * 2
     assert defaults.adaptive is sm.SpeculativeConfigSpec.model_fields["adaptive"].default
+    assert (defaults.suffix_max_tree_depth, defaults.suffix_max_cached_requests, defaults.suffix_max_spec_factor,
+            defaults.suffix_min_token_prob) == sm.DEFAULT_SUFFIX
+
+
+def test_suffix_renders_every_key_explicitly_and_the_agent_takes_it() -> None:
+    config = spec({**SUFFIX, "suffixDecodingMaxSpecFactor": 2.0}).runtime.speculative_config
+    assert config is not None
+    raw = config.agent_config(None)
+    assert raw == {"method": "suffix", "num_speculative_tokens": 4, "suffix_decoding_max_tree_depth": 8,
+                   "suffix_decoding_max_cached_requests": 10_000, "suffix_decoding_max_spec_factor": 2.0,
+                   "suffix_decoding_min_token_prob": 0.1, "adaptive": True}
+    parsed = SpeculativeConfig.parse(raw)
+    assert (parsed.method, parsed.suffix_max_spec_factor, parsed.suffix_max_tree_depth) == ("suffix", 2.0, 8)
 
 
 def _agent_raw(config: dict[str, Any]) -> dict[str, Any]:
     """The agent's JSON for a speculativeConfig as written (draftModel as a directory), without the operator."""
     keys = {"method": "method", "numSpeculativeTokens": "num_speculative_tokens", "adaptive": "adaptive",
             "promptLookupMin": "prompt_lookup_min", "promptLookupMax": "prompt_lookup_max",
-            "disableByBatchSize": "disable_by_batch_size"}
+            "disableByBatchSize": "disable_by_batch_size",
+            "suffixDecodingMaxTreeDepth": "suffix_decoding_max_tree_depth",
+            "suffixDecodingMinTokenProb": "suffix_decoding_min_token_prob"}
     return {keys[k]: v for k, v in config.items() if k in keys} | ({"model": "/d"} if "draftModel" in config else {})
 
 
 def _grid() -> list[dict[str, Any]]:
     out = []
-    for method, k, lo, hi, dm in itertools.product(("ngram", "draft_model"), (0, 1, 16, 17), (None, 2, 5),
-                                                   (None, 1, 5), (False, True)):
+    for method, k, lo, hi, dm, depth in itertools.product(("ngram", "suffix", "draft_model"), (0, 1, 16, 17),
+                                                          (None, 2, 5), (None, 1, 5), (False, True), (None, 0, 4)):
         config: dict[str, Any] = {"method": method, "numSpeculativeTokens": k}
         config |= ({"promptLookupMin": lo} if lo else {}) | ({"promptLookupMax": hi} if hi else {})
+        config |= {"suffixDecodingMaxTreeDepth": depth} if depth is not None else {}
         out.append(config | ({"draftModel": DRAFT_PVC} if dm else {}))
+    out += [{**SUFFIX, "suffixDecodingMinTokenProb": p} for p in (-0.1, 0.0, 1.0, 1.1)]
     return out
 
 

@@ -47,7 +47,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=WORKLOADS)
     p.add_argument("--batch", nargs="+", type=int, default=[1, 4, 16, 64])
     p.add_argument("--configs", nargs="+", default=["off", "ngram", "draft"],
-                   help="off, ngram, draft (adaptive, the default) and ngram-fixed, draft-fixed (adaptive off)")
+                   help="off, ngram, suffix, draft (adaptive; off, ngram and draft are the default) and ngram-fixed, "
+                        "suffix-fixed, draft-fixed (adaptive off)")
     p.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--warmup-rounds", type=int, default=1,
@@ -85,6 +86,8 @@ def spec_config(name: str, draft: str, k: int) -> dict[str, Any] | None:
     base: dict[str, Any] = {"num_speculative_tokens": k, "adaptive": fixed != "fixed"}
     if method == "ngram":
         return {**base, "method": "ngram", "prompt_lookup_min": 1, "prompt_lookup_max": 4}
+    if method == "suffix":
+        return {**base, "method": "suffix"}
     return {**base, "method": "draft_model", "model": draft}
 
 

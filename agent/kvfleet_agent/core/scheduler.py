@@ -248,7 +248,7 @@ class Scheduler:
 
     def _retire(self, req: Request) -> None:
         if self.speculator is not None:
-            self.speculator.forget([req.request_id])
+            self.speculator.finish(req)
         del self.requests[req.request_id]
         self.kv.free(req.request_id)
         self._finished.append(req.request_id)

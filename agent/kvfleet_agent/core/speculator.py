@@ -1,5 +1,5 @@
-"""Speculator: which running decodes speculate this step and with which draft tokens (n-gram prompt lookup here; a
-draft model's proposals handed in by the engine), and vLLM's speculative-decoding counters."""
+"""Speculator: which running decodes speculate this step and with which draft tokens (n-gram prompt lookup and suffix
+decoding here; a draft model's proposals handed in by the engine), and vLLM's speculative-decoding counters."""
 
 from __future__ import annotations
 
@@ -11,8 +11,13 @@ from kvfleet_agent.core.request import Request
 from kvfleet_agent.core.scheduler_output import SchedulerOutput
 from kvfleet_agent.core.spec_policy import SpecPolicy
 from kvfleet_agent.core.spec_switch import SpecSwitch
+from kvfleet_agent.core.suffix import SuffixCache
 from kvfleet_agent.sampling_params import SamplingParams
-from kvfleet_agent.spec_config import SpeculativeConfig
+from kvfleet_agent.spec_config import MODEL_FREE, SpeculativeConfig
+
+# A suffix proposal's kind (SpecPolicy): its match length, capped, and whether the shared cache or the request's own
+# tokens gave it; the two sources' acceptance differ at the same match length.
+SUFFIX_KINDS = 8
 
 
 @dataclass
@@ -57,9 +62,12 @@ class Speculator:
                                            disable_by_batch_size=config.disable_by_batch_size)
         self.counters = SpecCounters(accepted_per_position=[0] * config.num_speculative_tokens)
         self.indexes: dict[str, NgramIndex] = {}
+        self.suffix = SuffixCache(config.suffix_max_tree_depth, config.suffix_max_cached_requests) \
+            if config.method == "suffix" else None
         self.external: dict[str, list[int]] = {}  # a draft model's proposals for each request's next step
         self.shadow: dict[str, int] = {}  # first guesses not sent this step, checked against the sampled token
-        # Each request's last proposal's kind (SpecPolicy): its n-gram match length; 0 for a draft model's.
+        # Each request's last proposal's kind (SpecPolicy): its n-gram match length, a suffix proposal's match length
+        # and source; 0 for a draft model's.
         self.kinds: dict[str, int] = {}
         self.switch = SpecSwitch()
         self.choice: tuple[int, bool] | None = None  # this step's (decode requests, whether it speculates)
@@ -78,7 +86,7 @@ class Speculator:
     def propose(self, decodes: Sequence[Request], num_other_tokens: int, budget: int) -> dict[str, list[int]]:
         """Drafts for this step's decode requests (only those that get any), within `budget` extra tokens."""
         proposals: dict[str, list[int]] = {}
-        ngram, on = self.config.method == "ngram", True
+        ngram, on = self.config.method in MODEL_FREE, True
         if ngram and self.config.adaptive and any(eligible(req) for req in decodes):
             # Decided before guessing: while the switch keeps speculation off, the lookups (a Python scan per request
             # per step) are skipped; its exploring runs measure acceptance afresh.
@@ -93,7 +101,7 @@ class Speculator:
                 proposals[req.request_id] = guess
                 self.kinds[req.request_id] = kind
         self.choice = None
-        if self.config.method != "ngram" and decodes:
+        if self.config.method == "draft_model" and decodes:
             n, limit = len(decodes), self.config.disable_by_batch_size
             if self.config.adaptive:
                 # This step's choice was made last step (the draft ran, or not, for it); it is measured whether or
@@ -120,6 +128,11 @@ class Speculator:
 
     def _guess(self, req: Request, room: int) -> tuple[list[int], int]:
         """Up to `room` draft tokens for the request, and their kind (SpecPolicy): the n-gram match length."""
+        if self.suffix is not None:
+            c = self.config
+            g = self.suffix.propose(req.request_id, req.token_ids, req.num_prompt_tokens, room,
+                                    c.suffix_min_token_prob, c.suffix_max_spec_factor)
+            return g.tokens, min(g.matched, SUFFIX_KINDS) + (SUFFIX_KINDS if g.shared else 0)
         if self.config.method != "ngram":
             return self.external.get(req.request_id, [])[:room], 0
         index = self.indexes.get(req.request_id)
@@ -166,7 +179,7 @@ class Speculator:
         if self.choice is None:
             return
         # A draft model's first step on after steps off carries its catch-up: a cost of switching, not of the mode.
-        steady = self.config.method == "ngram" or self._last_choice == self.choice[1]
+        steady = self.config.method in MODEL_FREE or self._last_choice == self.choice[1]
         if not steady and self.choice[1]:
             self.switch.observe_transition(self.choice[0], served_s)
         self._last_choice = self.choice[1]
@@ -215,9 +228,18 @@ class Speculator:
         """A draft model's proposals for the next step (replacing the previous ones)."""
         self.external = dict(proposals)
 
+    def finish(self, req: Request) -> None:
+        """A request ended: its state goes, but a suffix cache first takes the whole output (steps that did not
+        speculate did not look it up) to share it with later requests."""
+        if self.suffix is not None:
+            self.suffix.sync(req.request_id, req.token_ids, req.num_prompt_tokens)
+        self.forget([req.request_id])
+
     def forget(self, request_ids: Sequence[str]) -> None:
         """Drop finished requests' state."""
         for rid in request_ids:
+            if self.suffix is not None:
+                self.suffix.finish(rid)  # its output stays shared with later requests
             self.indexes.pop(rid, None)
             self.external.pop(rid, None)
             self.shadow.pop(rid, None)
