@@ -54,7 +54,8 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
                         "token and head, about twice the sequences of bf16 in the same memory")
     g.add_argument("--speculative-config", default=None, metavar="JSON",
                    help='speculative decoding, as vLLM: e.g. \'{"method": "ngram", "num_speculative_tokens": 3, '
-                        '"prompt_lookup_max": 4}\' (or "draft_model" with "model": DIR); "adaptive": false fixes k')
+                        '"prompt_lookup_max": 4}\' (or "suffix", or "draft_model" with "model": DIR); "adaptive": '
+                        'false fixes k')
 
 
 def _env_defaults(p: argparse.ArgumentParser) -> None:

@@ -229,8 +229,8 @@ class Speculator:
         self.external = dict(proposals)
 
     def finish(self, req: Request) -> None:
-        """A request ended: its state goes, but a suffix cache first takes the whole output (steps that did not
-        speculate did not look it up) to share it with later requests."""
+        """A request ended: its state goes, but a suffix cache first takes the whole output into its shared trie
+        (steps that did not speculate did not look it up) for later requests."""
         if self.suffix is not None:
             self.suffix.sync(req.request_id, req.token_ids, req.num_prompt_tokens)
         self.forget([req.request_id])

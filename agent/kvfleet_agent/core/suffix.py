@@ -39,34 +39,39 @@ class ContextTrie:
     def add(self, tokens: Sequence[int], start: int = 0, floor: int = 0) -> None:
         """Count, for each position e > floor from `start` on, tokens[e] after the contexts ending at e that begin at
         `floor` or later (a request's output alone, with its prompt before `floor`)."""
+        depth, root = self.depth, self.root
         for end in range(max(start, floor + 1), len(tokens)):
-            self._walk(tokens, end, 1, floor)
+            node, nxt = root, tokens[end]
+            # Every output token of every request passes here: locals and no branches on a sign (hot path).
+            for i in range(end - 1, max(end - depth, floor) - 1, -1):
+                children = node.children
+                child = children.get(tokens[i])
+                if child is None:
+                    child = children[tokens[i]] = _Node()
+                counts = child.next
+                counts[nxt] = counts.get(nxt, 0) + 1
+                child.total += 1
+                child.last = nxt
+                node = child
 
     def remove(self, tokens: Sequence[int]) -> None:
         """Undo add(tokens) (from 0): the counts drop back and contexts no longer seen are pruned."""
         for end in range(1, len(tokens)):
-            self._walk(tokens, end, -1, 0)
-
-    def _walk(self, tokens: Sequence[int], end: int, sign: int, floor: int) -> None:
-        node, nxt = self.root, tokens[end]
-        for i in range(end - 1, max(end - self.depth, floor) - 1, -1):
-            child = node.children.get(tokens[i])
-            if child is None:
-                if sign < 0:
-                    return
-                child = node.children[tokens[i]] = _Node()
-            count = child.next.get(nxt, 0) + sign
-            child.total += sign
-            if count > 0:
-                child.next[nxt] = count
-            else:
-                child.next.pop(nxt, None)
-            if sign > 0:
-                child.last = nxt
-            if child.total <= 0:
-                del node.children[tokens[i]]  # its descendants counted only occurrences of it: all gone too
-                return
-            node = child
+            node, nxt = self.root, tokens[end]
+            for i in range(end - 1, max(end - self.depth, 0) - 1, -1):
+                child = node.children.get(tokens[i])
+                if child is None:
+                    break
+                count = child.next.get(nxt, 0) - 1
+                if count > 0:
+                    child.next[nxt] = count
+                else:
+                    child.next.pop(nxt, None)
+                child.total -= 1
+                if child.total <= 0:
+                    del node.children[tokens[i]]  # its descendants counted only occurrences of it: all gone too
+                    break
+                node = child
 
     def deepest(self, tokens: Sequence[int]) -> tuple[_Node | None, int]:
         """The node of the longest context ending the tokens that was seen with a next token, and its length."""
@@ -118,6 +123,19 @@ def speculate(trie: ContextTrie, tokens: list[int], k: int, min_prob: float, fac
     return Guess(out, score, matched, shared)
 
 
+class _Running:
+    """A running request's tokens as indexed: all of them in the shared trie (its output), the first `own_len` in its
+    own trie, which only a proposal needs (a request ending need not build it)."""
+
+    __slots__ = ("own", "own_len", "prompt_len", "tokens")
+
+    def __init__(self, prompt_len: int, depth: int) -> None:
+        self.tokens: list[int] = []
+        self.prompt_len = prompt_len
+        self.own = ContextTrie(depth)
+        self.own_len = 0
+
+
 class SuffixCache:
     """Every running request's own trie (its prompt and output) and one trie shared by all requests' outputs, the
     finished ones' kept up to max_cached_requests (first in, first out; 0 keeps none)."""
@@ -126,54 +144,48 @@ class SuffixCache:
         self.depth = depth
         self.max_cached = max_cached_requests
         self.shared = ContextTrie(depth)
-        self._own: dict[str, ContextTrie] = {}
-        self._seen: dict[str, list[int]] = {}  # each running request's tokens as indexed, and where its output starts
-        self._prompt_len: dict[str, int] = {}
+        self._running: dict[str, _Running] = {}
         self._finished: OrderedDict[str, list[int]] = OrderedDict()
 
-    def sync(self, request_id: str, token_ids: Sequence[int], prompt_len: int) -> list[int]:
-        """Index what is new in a running request's tokens (its own trie: all; the shared one: the output)."""
-        seen = self._seen.get(request_id)
-        if seen is None or len(token_ids) < len(seen) or (seen and token_ids[len(seen) - 1] != seen[-1]):
-            self.drop(request_id)  # a truncated or replaced list: start over
-            seen = self._seen[request_id] = []
-            self._own[request_id] = ContextTrie(self.depth)
-            self._prompt_len[request_id] = prompt_len
-        start = len(seen)
-        seen.extend(token_ids[start:])
-        self._own[request_id].add(seen, start)
-        out_start = self._prompt_len[request_id]
+    def sync(self, request_id: str, token_ids: Sequence[int], prompt_len: int) -> _Running:
+        """Index what is new in a running request's output in the shared trie; a list that is shorter or whose last
+        indexed token changed (truncated, replaced) starts over."""
+        run = self._running.get(request_id)
+        seen = run.tokens if run is not None else []
+        if run is None or len(token_ids) < len(seen) or (seen and token_ids[len(seen) - 1] != seen[-1]):
+            self.drop(request_id)
+            run = self._running[request_id] = _Running(prompt_len, self.depth)
+        start = len(run.tokens)
+        run.tokens.extend(token_ids[start:])
         if self.max_cached > 0:
-            self.shared.add(seen, start, floor=out_start)
-        return seen
+            self.shared.add(run.tokens, start, floor=run.prompt_len)
+        return run
 
     def propose(self, request_id: str, token_ids: Sequence[int], prompt_len: int, k: int, min_prob: float,
                 factor: float) -> Guess:
         """The better-scored of the request's own continuation and the shared one."""
-        seen = self.sync(request_id, token_ids, prompt_len)
-        own = speculate(self._own[request_id], seen, k, min_prob, factor, shared=False)
+        run = self.sync(request_id, token_ids, prompt_len)
+        run.own.add(run.tokens, run.own_len)
+        run.own_len = len(run.tokens)
+        own = speculate(run.own, run.tokens, k, min_prob, factor, shared=False)
         if self.max_cached <= 0:
             return own
-        other = speculate(self.shared, seen, k, min_prob, factor, shared=True)
+        other = speculate(self.shared, run.tokens, k, min_prob, factor, shared=True)
         return other if other.score > own.score else own
 
     def finish(self, request_id: str) -> None:
-        """A request ended: its own trie goes, its output stays shared (the oldest finished one evicted past the
-        bound)."""
-        seen = self._seen.pop(request_id, None)
-        self._own.pop(request_id, None)
-        start = self._prompt_len.pop(request_id, 0)
-        if seen is None or self.max_cached <= 0:
+        """A request ended: its own trie goes, its output as indexed stays shared (the oldest finished one evicted
+        past the bound)."""
+        run = self._running.pop(request_id, None)
+        if run is None or self.max_cached <= 0:
             return
-        self._finished[request_id] = seen[start:]
+        self._finished[request_id] = run.tokens[run.prompt_len:]
         while len(self._finished) > self.max_cached:
             _, old = self._finished.popitem(last=False)
             self.shared.remove(old)
 
     def drop(self, request_id: str) -> None:
         """Forget a running request entirely, its shared counts included (its list was replaced)."""
-        seen = self._seen.pop(request_id, None)
-        self._own.pop(request_id, None)
-        start = self._prompt_len.pop(request_id, 0)
-        if seen is not None and self.max_cached > 0 and len(seen) > start + 1:
-            self.shared.remove(seen[start:])
+        run = self._running.pop(request_id, None)
+        if run is not None and self.max_cached > 0:
+            self.shared.remove(run.tokens[run.prompt_len:])
