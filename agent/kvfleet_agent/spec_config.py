@@ -14,7 +14,8 @@ MODEL_FREE = ("ngram", "suffix")  # proposers that look tokens up rather than ru
 NOT_YET = ("eagle", "eagle3", "medusa", "mlp_speculator", "mtp", "deepseek_mtp")
 MAX_SPECULATIVE_TOKENS = 16
 SUFFIX_KEYS = ("suffix_decoding_max_tree_depth", "suffix_decoding_max_cached_requests",
-               "suffix_decoding_max_spec_factor", "suffix_decoding_min_token_prob")
+               "suffix_decoding_max_spec_factor", "suffix_decoding_min_token_prob",
+               "suffix_decoding_max_cached_tokens")
 KEYS = ("method", "num_speculative_tokens", "model", "prompt_lookup_min", "prompt_lookup_max",
         "disable_by_batch_size", "adaptive", "draft_tensor_parallel_size", "disable_log_stats", *SUFFIX_KEYS)
 
@@ -34,9 +35,12 @@ class SpeculativeConfig:
     # Suffix decoding (vLLM's keys). The depth is the longest context matched; vLLM's 24 counts match and
     # speculation together in a C++ tree. Here each token indexed walks `depth` Python trie nodes in two tries, and
     # on the trained pair depth 4, 8, 16 and 24 yield 2.88, 2.93, 2.96, 2.96 tokens a verification (k 4): 8 keeps
-    # the acceptance at a third of 24's cost. Past max_cached_requests finished outputs, the oldest is evicted.
+    # the acceptance at a third of 24's cost. Past max_cached_requests finished outputs, or max_cached_tokens of
+    # their tokens (ours: a cached token costs ~220 B in the shared trie on the trained pair's outputs, up to ~3.5 KB
+    # where no context repeats, so 10,000 long outputs alone could take gigabytes), the oldest is evicted.
     suffix_max_tree_depth: int = 8
     suffix_max_cached_requests: int = 10_000
+    suffix_max_cached_tokens: int = 200_000
     suffix_max_spec_factor: float = 1.0  # a match of n tokens may propose at most factor x n
     suffix_min_token_prob: float = 0.1  # stop where the chain's estimated probability falls below this
 
@@ -120,7 +124,8 @@ def _suffix_options(raw: Mapping[str, Any], method: str, where: str) -> dict[str
             ("suffix_decoding_max_tree_depth", "suffix_max_tree_depth", 1, 64, int),
             ("suffix_decoding_max_cached_requests", "suffix_max_cached_requests", 0, 1_000_000, int),
             ("suffix_decoding_max_spec_factor", "suffix_max_spec_factor", 0.0, 64.0, float),
-            ("suffix_decoding_min_token_prob", "suffix_min_token_prob", 0.0, 1.0, float)):
+            ("suffix_decoding_min_token_prob", "suffix_min_token_prob", 0.0, 1.0, float),
+            ("suffix_decoding_max_cached_tokens", "suffix_max_cached_tokens", 0, 100_000_000, int)):
         v = raw.get(key)
         if v is None:
             continue

@@ -15,8 +15,9 @@ from kvfleet_operator.rules import Rule, SourceRules, cel, check, source_rules
 METHODS = ("ngram", "suffix", "draft_model")
 MAX_SPECULATIVE_TOKENS = 16
 DEFAULT_PROMPT_LOOKUP = 5  # vLLM's prompt_lookup_min and _max when neither is given
-# suffix decoding's max tree depth, cached requests, max spec factor and min token probability when not given
-DEFAULT_SUFFIX = (8, 10_000, 1.0, 0.1)
+# suffix decoding's max tree depth, cached requests, max spec factor, min token probability and cached tokens when
+# not given
+DEFAULT_SUFFIX = (8, 10_000, 1.0, 0.1, 200_000)
 # Where the agent container finds the checkpoints: the target's volume at /models/<spec.model.name> (builders.py),
 # the draft's at /draft-models/<spec.model.name>; distinct roots, so neither mount can hide the other.
 TARGET_MODELS_DIR, DRAFT_MODELS_DIR = "/models", "/draft-models"
@@ -40,7 +41,7 @@ PROMPT_LOOKUP_ORDER_RULE = Rule("!has(self.promptLookupMin) || !has(self.promptL
                                 "(it sets the other, as in vLLM)", ".promptLookupMin")
 SUFFIX_METHOD_RULE = Rule("self.method == 'suffix' || (!has(self.suffixDecodingMaxTreeDepth) && "
                           "!has(self.suffixDecodingMaxCachedRequests) && !has(self.suffixDecodingMaxSpecFactor) && "
-                          "!has(self.suffixDecodingMinTokenProb))",
+                          "!has(self.suffixDecodingMinTokenProb) && !has(self.suffixDecodingMaxCachedTokens))",
                           f"{_SC}.suffixDecoding* fields apply to method suffix only: remove them, or set method to "
                           "suffix")
 # On InferenceDeploymentSpec, which sees both sources: an image path inside the other model's mount would be hidden.
@@ -133,6 +134,9 @@ class SpeculativeConfigSpec(SpecModel):
     """suffix only: a match of n tokens proposes at most this times n (default 1.0)."""
     suffix_decoding_min_token_prob: float | None = Field(default=None, ge=0.0, le=1.0)
     """suffix only: stop proposing where the continuation's estimated probability falls below this (default 0.1)."""
+    suffix_decoding_max_cached_tokens: int | None = Field(default=None, ge=0, le=100000000)
+    """suffix only: the tokens of finished outputs kept, oldest evicted first (default 200000: some 50 MB on typical
+    outputs, up to 700 MB where nothing repeats)."""
     disable_by_batch_size: int | None = Field(default=None, ge=1, le=1000000)
     """No speculation while this many decodes or more are running (default: speculate at any batch size)."""
     adaptive: bool = True
@@ -148,12 +152,13 @@ class SpeculativeConfigSpec(SpecModel):
         lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
         check(self.method == "ngram" or (lo is None and hi is None), PROMPT_LOOKUP_METHOD_RULE)
         check(lo is None or hi is None or lo <= hi, PROMPT_LOOKUP_ORDER_RULE)
-        check(self.method == "suffix" or self._suffix_given() == (None,) * 4, SUFFIX_METHOD_RULE)
+        check(self.method == "suffix" or self._suffix_given() == (None,) * 5, SUFFIX_METHOD_RULE)
         return self
 
     def _suffix_given(self) -> tuple[int | float | None, ...]:
         return (self.suffix_decoding_max_tree_depth, self.suffix_decoding_max_cached_requests,
-                self.suffix_decoding_max_spec_factor, self.suffix_decoding_min_token_prob)
+                self.suffix_decoding_max_spec_factor, self.suffix_decoding_min_token_prob,
+                self.suffix_decoding_max_cached_tokens)
 
     def prompt_lookup(self) -> tuple[int, int]:
         """The n-gram bounds in force: one given sets the other; neither, vLLM's 5 and 5."""
@@ -168,7 +173,8 @@ class SpeculativeConfigSpec(SpecModel):
             out["model"] = draft_dir
         elif self.method == "suffix":
             keys = ("suffix_decoding_max_tree_depth", "suffix_decoding_max_cached_requests",
-                    "suffix_decoding_max_spec_factor", "suffix_decoding_min_token_prob")
+                    "suffix_decoding_max_spec_factor", "suffix_decoding_min_token_prob",
+                    "suffix_decoding_max_cached_tokens")
             out |= {key: default if v is None else v
                     for key, v, default in zip(keys, self._suffix_given(), DEFAULT_SUFFIX, strict=True)}
         else:

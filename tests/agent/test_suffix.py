@@ -81,7 +81,7 @@ def test_the_chain_stops_under_min_token_prob_and_at_factor_times_the_match() ->
 
 
 def test_a_finished_request_s_output_is_proposed_to_a_later_one_and_its_prompt_is_not() -> None:
-    cache = SuffixCache(depth=4, max_cached_requests=10)
+    cache = SuffixCache(depth=4, max_cached_requests=10, max_cached_tokens=1000)
     prompt, output = [50, 51, 52], [10, 11, 12, 13, 14]
     cache.sync("a", prompt + output, len(prompt))
     cache.finish("a")
@@ -91,7 +91,7 @@ def test_a_finished_request_s_output_is_proposed_to_a_later_one_and_its_prompt_i
 
 
 def test_its_own_tokens_win_when_they_score_higher() -> None:
-    cache = SuffixCache(depth=4, max_cached_requests=10)
+    cache = SuffixCache(depth=4, max_cached_requests=10, max_cached_tokens=1000)
     cache.sync("a", [0, 1, 2, 8, 1, 2, 9], 1)
     cache.finish("a")  # shared: after [1, 2] came 8 once and 9 once
     own = [1, 2, 3, 1, 2, 3, 1, 2, 3, 1, 2]  # its own prompt: after [1, 2] always 3
@@ -100,7 +100,7 @@ def test_its_own_tokens_win_when_they_score_higher() -> None:
 
 
 def test_eviction_undoes_exactly_what_the_evicted_output_added() -> None:
-    cache = SuffixCache(depth=3, max_cached_requests=1)
+    cache = SuffixCache(depth=3, max_cached_requests=1, max_cached_tokens=1000)
     for rid, toks in (("a", [0, 1, 2, 3, 1, 2, 4]), ("b", [0, 5, 6, 7, 5, 6])):
         cache.sync(rid, toks, 1)
         cache.finish(rid)
@@ -109,8 +109,18 @@ def test_eviction_undoes_exactly_what_the_evicted_output_added() -> None:
     assert cache.propose("c", [0, 1, 2], 1, k=1, min_prob=0.0, factor=1.0).tokens == []
 
 
+def test_the_token_bound_evicts_the_oldest_outputs_until_the_rest_fit() -> None:
+    cache = SuffixCache(depth=3, max_cached_requests=100, max_cached_tokens=7)
+    for rid, toks in (("a", [0, 1, 2, 3]), ("b", [0, 4, 5, 6]), ("c", [0, 7, 8, 9, 10])):
+        cache.sync(rid, toks, 1)
+        cache.finish(rid)
+    # Outputs of 3, 3 and 4 tokens: c's brings the total to 10 > 7, which evicts a (the oldest) and leaves 7.
+    assert cache.cached_tokens == 7
+    assert _shape(cache.shared.root) == _shape(trie([[4, 5, 6], [7, 8, 9, 10]], 3).root)
+
+
 def test_no_shared_cache_keeps_nothing_after_a_request() -> None:
-    cache = SuffixCache(depth=3, max_cached_requests=0)
+    cache = SuffixCache(depth=3, max_cached_requests=0, max_cached_tokens=1000)
     cache.sync("a", [0, 1, 2, 1, 2], 1)
     cache.finish("a")
     assert cache.shared.root.children == {}

@@ -50,6 +50,8 @@ CASES: list[tuple[str, dict[str, Any], dict[str, Any] | None, Rule]] = [
      sm.SUFFIX_METHOD_RULE),
     ("suffixDecodingMinTokenProb with draft_model", {**DRAFT, "suffixDecodingMinTokenProb": 0.2}, None,
      sm.SUFFIX_METHOD_RULE),
+    ("suffixDecodingMaxCachedTokens with ngram", {**NGRAM, "suffixDecodingMaxCachedTokens": 10}, None,
+     sm.SUFFIX_METHOD_RULE),
     ("promptLookupMin above promptLookupMax", {**NGRAM, "promptLookupMin": 4, "promptLookupMax": 2}, None,
      sm.PROMPT_LOOKUP_ORDER_RULE),
     ("draft with two sources", draft({"pvc": {"claimName": "d"}, "image": {"path": "/d"}}), None, DR.source),
@@ -139,7 +141,7 @@ def test_limits_declared_again_agree_with_the_agent() -> None:
     assert (defaults.prompt_lookup_min, defaults.prompt_lookup_max) == (sm.DEFAULT_PROMPT_LOOKUP,) * 2
     assert defaults.adaptive is sm.SpeculativeConfigSpec.model_fields["adaptive"].default
     assert (defaults.suffix_max_tree_depth, defaults.suffix_max_cached_requests, defaults.suffix_max_spec_factor,
-            defaults.suffix_min_token_prob) == sm.DEFAULT_SUFFIX
+            defaults.suffix_min_token_prob, defaults.suffix_max_cached_tokens) == sm.DEFAULT_SUFFIX
 
 
 def test_suffix_renders_every_key_explicitly_and_the_agent_takes_it() -> None:
@@ -148,7 +150,8 @@ def test_suffix_renders_every_key_explicitly_and_the_agent_takes_it() -> None:
     raw = config.agent_config(None)
     assert raw == {"method": "suffix", "num_speculative_tokens": 4, "suffix_decoding_max_tree_depth": 8,
                    "suffix_decoding_max_cached_requests": 10_000, "suffix_decoding_max_spec_factor": 2.0,
-                   "suffix_decoding_min_token_prob": 0.1, "adaptive": True}
+                   "suffix_decoding_min_token_prob": 0.1, "suffix_decoding_max_cached_tokens": 200_000,
+                   "adaptive": True}
     parsed = SpeculativeConfig.parse(raw)
     assert (parsed.method, parsed.suffix_max_spec_factor, parsed.suffix_max_tree_depth) == ("suffix", 2.0, 8)
 

@@ -62,8 +62,8 @@ class Speculator:
                                            disable_by_batch_size=config.disable_by_batch_size)
         self.counters = SpecCounters(accepted_per_position=[0] * config.num_speculative_tokens)
         self.indexes: dict[str, NgramIndex] = {}
-        self.suffix = SuffixCache(config.suffix_max_tree_depth, config.suffix_max_cached_requests) \
-            if config.method == "suffix" else None
+        self.suffix = SuffixCache(config.suffix_max_tree_depth, config.suffix_max_cached_requests,
+                                  config.suffix_max_cached_tokens) if config.method == "suffix" else None
         self.external: dict[str, list[int]] = {}  # a draft model's proposals for each request's next step
         self.shadow: dict[str, int] = {}  # first guesses not sent this step, checked against the sampled token
         # Each request's last proposal's kind (SpecPolicy): its n-gram match length, a suffix proposal's match length

@@ -138,11 +138,14 @@ class _Running:
 
 class SuffixCache:
     """Every running request's own trie (its prompt and output) and one trie shared by all requests' outputs, the
-    finished ones' kept up to max_cached_requests (first in, first out; 0 keeps none)."""
+    finished ones' kept up to max_cached_requests outputs and max_cached_tokens tokens (first in, first out; 0
+    requests keeps none)."""
 
-    def __init__(self, depth: int, max_cached_requests: int) -> None:
+    def __init__(self, depth: int, max_cached_requests: int, max_cached_tokens: int) -> None:
         self.depth = depth
         self.max_cached = max_cached_requests
+        self.max_tokens = max_cached_tokens
+        self.cached_tokens = 0  # in the finished outputs kept
         self.shared = ContextTrie(depth)
         self._running: dict[str, _Running] = {}
         self._finished: OrderedDict[str, list[int]] = OrderedDict()
@@ -179,10 +182,12 @@ class SuffixCache:
         run = self._running.pop(request_id, None)
         if run is None or self.max_cached <= 0:
             return
-        self._finished[request_id] = run.tokens[run.prompt_len:]
-        while len(self._finished) > self.max_cached:
+        output = self._finished[request_id] = run.tokens[run.prompt_len:]
+        self.cached_tokens += len(output)
+        while self._finished and (len(self._finished) > self.max_cached or self.cached_tokens > self.max_tokens):
             _, old = self._finished.popitem(last=False)
             self.shared.remove(old)
+            self.cached_tokens -= len(old)
 
     def drop(self, request_id: str) -> None:
         """Forget a running request entirely, its shared counts included (its list was replaced)."""
