@@ -85,6 +85,7 @@ def test_a_finished_request_s_output_is_proposed_to_a_later_one_and_its_prompt_i
     prompt, output = [50, 51, 52], [10, 11, 12, 13, 14]
     cache.sync("a", prompt + output, len(prompt))
     cache.finish("a")
+    cache.flush(100)
     got = cache.propose("b", [99, 10, 11], 2, k=3, min_prob=0.0, factor=4.0)
     assert got.tokens == [12, 13, 14] and got.shared
     assert cache.propose("c", [98, 50, 51], 2, k=3, min_prob=0.0, factor=4.0).tokens == []  # prompts stay private
@@ -94,9 +95,23 @@ def test_its_own_tokens_win_when_they_score_higher() -> None:
     cache = SuffixCache(depth=4, max_cached_requests=10, max_cached_tokens=1000)
     cache.sync("a", [0, 1, 2, 8, 1, 2, 9], 1)
     cache.finish("a")  # shared: after [1, 2] came 8 once and 9 once
+    cache.flush(100)
     own = [1, 2, 3, 1, 2, 3, 1, 2, 3, 1, 2]  # its own prompt: after [1, 2] always 3
     got = cache.propose("b", own, len(own), k=1, min_prob=0.0, factor=4.0)
     assert got.tokens == [3] and not got.shared
+
+
+def test_an_ended_output_is_shared_a_bounded_number_of_tokens_per_flush() -> None:
+    cache = SuffixCache(depth=2, max_cached_requests=10, max_cached_tokens=1000)
+    cache.sync("a", [0], 1)  # running: its prompt, no output yet
+    cache.finish("a", [0, *range(10, 20)])  # ended with 10 output tokens, none shared yet
+    assert cache.shared.root.children == {}
+    cache.flush(4)  # the contexts of output positions 1-4
+    assert _shape(cache.shared.root) == _shape(trie([list(range(10, 15))], 2).root) and cache.cached_tokens == 0
+    cache.flush(100)
+    assert _shape(cache.shared.root) == _shape(trie([list(range(10, 20))], 2).root) and cache.cached_tokens == 10
+    got = cache.propose("b", [5, 13, 14], 1, k=3, min_prob=0.0, factor=4.0)
+    assert got.tokens == [15, 16, 17] and got.shared
 
 
 def test_eviction_undoes_exactly_what_the_evicted_output_added() -> None:
@@ -104,6 +119,7 @@ def test_eviction_undoes_exactly_what_the_evicted_output_added() -> None:
     for rid, toks in (("a", [0, 1, 2, 3, 1, 2, 4]), ("b", [0, 5, 6, 7, 5, 6])):
         cache.sync(rid, toks, 1)
         cache.finish(rid)
+        cache.flush(100)
     # Only b's output is left, and the trie is the one b's output alone builds.
     assert _shape(cache.shared.root) == _shape(trie([[5, 6, 7, 5, 6]], 3).root)
     assert cache.propose("c", [0, 1, 2], 1, k=1, min_prob=0.0, factor=1.0).tokens == []
@@ -114,6 +130,7 @@ def test_the_token_bound_evicts_the_oldest_outputs_until_the_rest_fit() -> None:
     for rid, toks in (("a", [0, 1, 2, 3]), ("b", [0, 4, 5, 6]), ("c", [0, 7, 8, 9, 10])):
         cache.sync(rid, toks, 1)
         cache.finish(rid)
+        cache.flush(100)
     # Outputs of 3, 3 and 4 tokens: c's brings the total to 10 > 7, which evicts a (the oldest) and leaves 7.
     assert cache.cached_tokens == 7
     assert _shape(cache.shared.root) == _shape(trie([[4, 5, 6], [7, 8, 9, 10]], 3).root)
@@ -123,6 +140,7 @@ def test_no_shared_cache_keeps_nothing_after_a_request() -> None:
     cache = SuffixCache(depth=3, max_cached_requests=0, max_cached_tokens=1000)
     cache.sync("a", [0, 1, 2, 1, 2], 1)
     cache.finish("a")
+    cache.flush(100)
     assert cache.shared.root.children == {}
 
 

@@ -18,6 +18,9 @@ from kvfleet_agent.spec_config import MODEL_FREE, SpeculativeConfig
 # A suffix proposal's kind (SpecPolicy): its match length, capped, and whether the shared cache or the request's own
 # tokens gave it; the two sources' acceptance differ at the same match length.
 SUFFIX_KINDS = 8
+# Ended requests' output tokens indexed into suffix decoding's shared trie per step (~4 us each at depth 8): 64
+# requests ending together share their 4,096 tokens over 16 steps rather than stall one by ~15 ms.
+SUFFIX_FLUSH_TOKENS = 256
 
 
 @dataclass
@@ -86,6 +89,8 @@ class Speculator:
     def propose(self, decodes: Sequence[Request], num_other_tokens: int, budget: int) -> dict[str, list[int]]:
         """Drafts for this step's decode requests (only those that get any), within `budget` extra tokens."""
         proposals: dict[str, list[int]] = {}
+        if self.suffix is not None:
+            self.suffix.flush(SUFFIX_FLUSH_TOKENS)
         ngram, on = self.config.method in MODEL_FREE, True
         if ngram and self.config.adaptive and any(eligible(req) for req in decodes):
             # Decided before guessing: while the switch keeps speculation off, the lookups (a Python scan per request
@@ -229,10 +234,10 @@ class Speculator:
         self.external = dict(proposals)
 
     def finish(self, req: Request) -> None:
-        """A request ended: its state goes, but a suffix cache first takes the whole output into its shared trie
-        (steps that did not speculate did not look it up) for later requests."""
+        """A request ended: its state goes, but a suffix cache keeps the whole output (steps that did not speculate
+        did not look it up) for its shared trie."""
         if self.suffix is not None:
-            self.suffix.sync(req.request_id, req.token_ids, req.num_prompt_tokens)
+            self.suffix.finish(req.request_id, req.token_ids)
         self.forget([req.request_id])
 
     def forget(self, request_ids: Sequence[str]) -> None:

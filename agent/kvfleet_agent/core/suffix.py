@@ -3,7 +3,7 @@ request itself and over other requests' outputs (vLLM's "suffix", after SuffixDe
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -36,11 +36,11 @@ class ContextTrie:
         self.depth = depth
         self.root = _Node()
 
-    def add(self, tokens: Sequence[int], start: int = 0, floor: int = 0) -> None:
-        """Count, for each position e > floor from `start` on, tokens[e] after the contexts ending at e that begin at
-        `floor` or later (a request's output alone, with its prompt before `floor`)."""
+    def add(self, tokens: Sequence[int], start: int = 0, floor: int = 0, stop: int | None = None) -> None:
+        """Count, for each position e > floor from `start` up to `stop` (default: the end), tokens[e] after the
+        contexts ending at e that begin at `floor` or later (a request's output alone, its prompt before `floor`)."""
         depth, root = self.depth, self.root
-        for end in range(max(start, floor + 1), len(tokens)):
+        for end in range(max(start, floor + 1), len(tokens) if stop is None else stop):
             node, nxt = root, tokens[end]
             # Every output token of every request passes here: locals and no branches on a sign (hot path).
             for i in range(end - 1, max(end - depth, floor) - 1, -1):
@@ -124,16 +124,17 @@ def speculate(trie: ContextTrie, tokens: list[int], k: int, min_prob: float, fac
 
 
 class _Running:
-    """A running request's tokens as indexed: all of them in the shared trie (its output), the first `own_len` in its
-    own trie, which only a proposal needs (a request ending need not build it)."""
+    """A request's tokens, the first `shared_len` indexed in the shared trie (its output part) and the first `own_len`
+    in its own trie, which only a proposal needs (a request ending need not build it)."""
 
-    __slots__ = ("own", "own_len", "prompt_len", "tokens")
+    __slots__ = ("own", "own_len", "prompt_len", "shared_len", "tokens")
 
     def __init__(self, prompt_len: int, depth: int) -> None:
         self.tokens: list[int] = []
         self.prompt_len = prompt_len
         self.own = ContextTrie(depth)
         self.own_len = 0
+        self.shared_len = 0
 
 
 class SuffixCache:
@@ -148,6 +149,7 @@ class SuffixCache:
         self.cached_tokens = 0  # in the finished outputs kept
         self.shared = ContextTrie(depth)
         self._running: dict[str, _Running] = {}
+        self._pending: deque[tuple[str, _Running]] = deque()  # ended, their outputs' tails not yet shared
         self._finished: OrderedDict[str, list[int]] = OrderedDict()
 
     def sync(self, request_id: str, token_ids: Sequence[int], prompt_len: int) -> _Running:
@@ -158,10 +160,10 @@ class SuffixCache:
         if run is None or len(token_ids) < len(seen) or (seen and token_ids[len(seen) - 1] != seen[-1]):
             self.drop(request_id)
             run = self._running[request_id] = _Running(prompt_len, self.depth)
-        start = len(run.tokens)
-        run.tokens.extend(token_ids[start:])
+        run.tokens.extend(token_ids[len(run.tokens):])
         if self.max_cached > 0:
-            self.shared.add(run.tokens, start, floor=run.prompt_len)
+            self.shared.add(run.tokens, run.shared_len, floor=run.prompt_len)
+            run.shared_len = len(run.tokens)
         return run
 
     def propose(self, request_id: str, token_ids: Sequence[int], prompt_len: int, k: int, min_prob: float,
@@ -176,21 +178,40 @@ class SuffixCache:
         other = speculate(self.shared, run.tokens, k, min_prob, factor, shared=True)
         return other if other.score > own.score else own
 
-    def finish(self, request_id: str) -> None:
-        """A request ended: its own trie goes, its output as indexed stays shared (the oldest finished one evicted
-        past the bound)."""
+    def finish(self, request_id: str, token_ids: Sequence[int] | None = None) -> None:
+        """A request ended (with these tokens, if given): its own trie goes, and its output joins the shared trie by
+        `flush`, a bounded number of tokens a step, so a step where many requests end together is not the one that
+        pays for all of them."""
         run = self._running.pop(request_id, None)
         if run is None or self.max_cached <= 0:
             return
-        output = self._finished[request_id] = run.tokens[run.prompt_len:]
-        self.cached_tokens += len(output)
-        while self._finished and (len(self._finished) > self.max_cached or self.cached_tokens > self.max_tokens):
-            _, old = self._finished.popitem(last=False)
-            self.shared.remove(old)
-            self.cached_tokens -= len(old)
+        if token_ids is not None and len(token_ids) >= len(run.tokens) and \
+                token_ids[len(run.tokens) - 1:len(run.tokens)] == run.tokens[-1:]:
+            run.tokens.extend(token_ids[len(run.tokens):])
+        self._pending.append((request_id, run))
+
+    def flush(self, budget: int) -> None:
+        """Share up to `budget` more tokens of ended requests' outputs, oldest first; a whole output, once shared,
+        counts against the bounds (the oldest finished one evicted past them)."""
+        while budget > 0 and self._pending:
+            rid, run = self._pending[0]
+            begin = max(run.shared_len, run.prompt_len + 1)  # the first position with a context in the output
+            stop = max(begin, min(len(run.tokens), begin + budget))
+            self.shared.add(run.tokens, begin, floor=run.prompt_len, stop=stop)
+            budget -= max(1, stop - begin)
+            run.shared_len = stop
+            if stop < len(run.tokens):
+                return
+            self._pending.popleft()
+            output = self._finished[rid] = run.tokens[run.prompt_len:]
+            self.cached_tokens += len(output)
+            while self._finished and (len(self._finished) > self.max_cached or self.cached_tokens > self.max_tokens):
+                _, old = self._finished.popitem(last=False)
+                self.shared.remove(old)
+                self.cached_tokens -= len(old)
 
     def drop(self, request_id: str) -> None:
         """Forget a running request entirely, its shared counts included (its list was replaced)."""
         run = self._running.pop(request_id, None)
         if run is not None and self.max_cached > 0:
-            self.shared.remove(run.tokens[run.prompt_len:])
+            self.shared.remove(run.tokens[run.prompt_len:run.shared_len])
