@@ -1,5 +1,5 @@
 """bench spec: configurations interleaved step by step, each on its own clock; each configuration against `off` as the
-median of per-round paired ratios."""
+median of per-round paired ratios; no prompt served twice in a run."""
 
 from __future__ import annotations
 
@@ -7,13 +7,34 @@ from collections.abc import Callable
 
 import pytest
 
-from kvfleet_agent.bench.spec import Run, measure, repeats, spec_config, summarize, table
+from kvfleet_agent.bench.spec import Prompts, Run, measure, repeats, spec_config, summarize, table
 from kvfleet_agent.llm import LLM
 from kvfleet_agent.outputs import RequestOutput
 
 
 def run(tps: float, drafts: int = 0, accepted: int = 0) -> Run:
     return Run(decoded=int(tps), seconds=1.0, itl=[1 / tps], tokens=64, drafts=drafts, accepted=accepted)
+
+
+def test_no_prompt_is_served_twice_in_a_full_run_and_each_has_its_shape() -> None:
+    # A full run's draw (1 + 5 rounds of batches 1, 4, 16 and 64): suffix decoding would find a repeated prompt's
+    # own greedy answer among the outputs it keeps.
+    pool, seen = Prompts(seed=0), set()
+    for _ in range(6):
+        for w in ("edit", "code", "long"):
+            for b in (1, 4, 16, 64):
+                batch = pool.take(w, b * repeats(b))
+                assert not seen & set(batch) and len(set(batch)) == len(batch)
+                seen |= set(batch)
+                for p in batch:
+                    lines = p.splitlines()
+                    if w == "edit":
+                        assert len(lines) == 8 and lines[6] == "" and lines[7] == lines[0] and all(lines[:6])
+                    else:
+                        assert len(lines) == 3 and p.endswith("\n") and all(lines)
+    assert Prompts(seed=0).take("code", 5) == Prompts(seed=0).take("code", 5) != Prompts(seed=1).take("code", 5)
+    with pytest.raises(RuntimeError, match="no more distinct 'edit' prompts"):
+        Prompts(seed=0).take("edit", 10**6)
 
 
 def test_the_ratio_to_off_pairs_rounds_so_drift_between_rounds_cancels() -> None:

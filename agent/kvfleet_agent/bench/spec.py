@@ -18,7 +18,7 @@ from tqdm import tqdm
 
 from kvfleet_agent.engine.llm_engine import LLMEngine
 from kvfleet_agent.llm import LLM
-from kvfleet_agent.models.stdlib_corpus import texts
+from kvfleet_agent.models.stdlib_corpus import is_eval, source_files
 from kvfleet_agent.sampling_params import SamplingParams
 
 WORKLOADS = ("edit", "code", "long")
@@ -59,22 +59,50 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", help="write every cell here")
 
 
-def prompts(workload: str, n: int, seed: int) -> list[str]:
-    """n prompts cut from the held-out standard-library sources: `edit` shows a snippet and starts it again (the
-    answer repeats the prompt: prompt lookup's case), `code` starts a snippet, `long` too, for long outputs."""
-    _, held = texts(400_000)
-    rng = random.Random(seed)
-    blocks = [b for t in held for b in t.split("\n\n") if 4 <= b.count("\n") <= 12 and len(b) < 600]
-    out = []
-    for _ in range(n):
-        lines = rng.choice(blocks).splitlines()
-        if workload == "edit":
-            snippet = "\n".join(lines[:6])
-            # No newline after the repeated line: the tokenizer merges a newline with the next line's indent, so
-            # the copy continues from where the snippet's own tokens did.
-            out.append(f"{snippet}\n\n{lines[0]}")
-        else:
-            out.append("\n".join(lines[:3]) + "\n")
+class Prompts:
+    """Every prompt of a run, none twice: runs of consecutive non-blank lines from the held-out standard-library files,
+    6 for `edit` (the snippet, a blank line and its first line again: the answer may repeat the prompt, prompt
+    lookup's case), 3 for `code` and `long`, which draw from one pool so that no `long` prompt is a `code` one.
+
+    No prompt repeats across cells and rounds: suffix decoding keeps earlier outputs, and a prompt served before
+    would find its own greedy answer there (the held-out files' 64 paragraphs, the prompts' source until session 19,
+    repeated within every round)."""
+
+    def __init__(self, seed: int) -> None:
+        rng = random.Random(seed)
+        self._pools = {"edit": _windows(6, rng), "code": _windows(3, rng)}
+
+    def take(self, workload: str, n: int) -> list[str]:
+        """The next n prompts of a workload."""
+        pool = self._pools["edit" if workload == "edit" else "code"]
+        if len(pool) < n:
+            raise RuntimeError(f"bench spec: the held-out files give no more distinct {workload!r} prompts; use "
+                               "fewer --rounds or smaller --batch sizes")
+        out, pool[:] = pool[:n], pool[n:]
+        if workload != "edit":
+            return [text + "\n" for text in out]
+        return [f"{text}\n\n{text.splitlines()[0]}" for text in out]
+
+
+def _windows(lines: int, rng: random.Random) -> list[str]:
+    """Every distinct run of `lines` consecutive non-blank lines (under 600 characters) in the held-out files, shuffled.
+    No newline follows an edit prompt's repeated line: the tokenizer merges a newline with the next line's indent,
+    so the copy continues from where the snippet's own tokens did."""
+    seen: set[str] = set()
+    for path in source_files():
+        # The encodings package is generated charmap tables (a fifth of the held-out windows): data, not code.
+        if not is_eval(path) or "encodings" in path.parts:
+            continue
+        try:
+            text = path.read_text(encoding="utf-8").splitlines()
+        except (UnicodeDecodeError, OSError):
+            continue
+        for i in range(len(text) - lines + 1):
+            window = text[i:i + lines]
+            if all(line.strip() for line in window) and sum(map(len, window)) < 600:
+                seen.add("\n".join(window))
+    out = sorted(seen)  # set order varies between processes; the shuffle must not
+    rng.shuffle(out)
     return out
 
 
@@ -207,10 +235,11 @@ def run(a: argparse.Namespace) -> list[Cell]:
     samples: dict[tuple[str, int, str], list[Run]] = {}
     tokens: dict[tuple[str, int], set[int]] = {}
     cells = [(w, b) for w in a.workloads for b in a.batch]
+    pool = Prompts(a.seed)
     bar = tqdm(total=(a.warmup_rounds + a.rounds) * len(cells) * len(engines), desc="bench spec", unit="cell")
     for r in range(-a.warmup_rounds, a.rounds):
         for w, b in cells:
-            ps = prompts(w, b * repeats(b), a.seed + r)
+            ps = pool.take(w, b * repeats(b))
             pooled = {c: Run() for c in engines}
             for n, i in enumerate(range(0, len(ps), b)):
                 for c, got in measure(engines, ps[i:i + b], MAX_TOKENS[w], turn=n + r).items():
