@@ -106,10 +106,13 @@ def test_an_ended_output_is_shared_a_bounded_number_of_tokens_per_flush() -> Non
     cache.sync("a", [0], 1)  # running: its prompt, no output yet
     cache.finish("a", [0, *range(10, 20)])  # ended with 10 output tokens, none shared yet
     assert cache.shared.root.children == {}
+    assert cache.pending_tokens == 9  # the output's positions with a context in it
     cache.flush(4)  # the contexts of output positions 1-4
     assert _shape(cache.shared.root) == _shape(trie([list(range(10, 15))], 2).root) and cache.cached_tokens == 0
+    assert cache.pending_tokens == 5
     cache.flush(100)
     assert _shape(cache.shared.root) == _shape(trie([list(range(10, 20))], 2).root) and cache.cached_tokens == 10
+    assert cache.pending_tokens == 0
     got = cache.propose("b", [5, 13, 14], 1, k=3, min_prob=0.0, factor=4.0)
     assert got.tokens == [15, 16, 17] and got.shared
 
@@ -167,3 +170,32 @@ def test_removing_every_sequence_leaves_an_empty_trie(seqs: list[list[int]], dep
     for s in reversed(seqs):
         t.remove(s)
     assert t.root.children == {}
+
+
+@given(st.lists(st.tuples(st.integers(0, 1), st.sampled_from(["grow", "finish", "flush"]),
+                          st.lists(st.integers(0, 3), max_size=5), st.integers(0, 6)), max_size=40),
+       st.integers(1, 3), st.integers(0, 12))
+def test_the_shared_trie_holds_exactly_the_running_and_the_kept_outputs(
+        ops: list[tuple[int, str, list[int], int]], max_requests: int, max_tokens: int) -> None:
+    cache = SuffixCache(depth=2, max_cached_requests=max_requests, max_cached_tokens=max_tokens)
+    running: dict[str, list[int]] = {}
+    ended: list[list[int]] = []
+    for rid_n, op, toks, budget in ops:
+        rid = f"r{rid_n}"
+        if op == "grow":
+            running[rid] = running.get(rid, [100 + rid_n]) + toks  # a 1-token prompt, then output
+            cache.sync(rid, running[rid], 1)
+        elif op == "finish" and rid in running:
+            final = running.pop(rid) + toks  # tokens since its last sync come with the end
+            cache.finish(rid, final)
+            ended.append(final[1:])
+        else:
+            cache.flush(budget)
+    cache.flush(10**9)
+    kept: list[list[int]] = []
+    for out in ended:
+        kept.append(out)
+        while kept and (len(kept) > max_requests or sum(map(len, kept)) > max_tokens):
+            kept.pop(0)
+    assert cache.pending_tokens == 0 and cache.cached_tokens == sum(map(len, kept))
+    assert _shape(cache.shared.root) == _shape(trie([*kept, *(t[1:] for t in running.values())], 2).root)

@@ -19,8 +19,10 @@ from kvfleet_agent.spec_config import MODEL_FREE, SpeculativeConfig
 # tokens gave it; the two sources' acceptance differ at the same match length.
 SUFFIX_KINDS = 8
 # Ended requests' output tokens indexed into suffix decoding's shared trie per step (~4 us each at depth 8): 64
-# requests ending together share their 4,096 tokens over 16 steps rather than stall one by ~15 ms.
+# requests ending together share their 4,096 tokens over 16 steps rather than stall one by ~15 ms. A backlog drains
+# at a sixteenth a step at least, so it stays bounded (16 steps' output) whatever the output rate.
 SUFFIX_FLUSH_TOKENS = 256
+SUFFIX_FLUSH_STEPS = 16
 
 
 @dataclass
@@ -90,7 +92,7 @@ class Speculator:
         """Drafts for this step's decode requests (only those that get any), within `budget` extra tokens."""
         proposals: dict[str, list[int]] = {}
         if self.suffix is not None:
-            self.suffix.flush(SUFFIX_FLUSH_TOKENS)
+            self.suffix.flush(max(SUFFIX_FLUSH_TOKENS, self.suffix.pending_tokens // SUFFIX_FLUSH_STEPS))
         ngram, on = self.config.method in MODEL_FREE, True
         if ngram and self.config.adaptive and any(eligible(req) for req in decodes):
             # Decided before guessing: while the switch keeps speculation off, the lookups (a Python scan per request

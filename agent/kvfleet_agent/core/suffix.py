@@ -3,7 +3,7 @@ request itself and over other requests' outputs (vLLM's "suffix", after SuffixDe
 
 from __future__ import annotations
 
-from collections import OrderedDict, deque
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -149,8 +149,9 @@ class SuffixCache:
         self.cached_tokens = 0  # in the finished outputs kept
         self.shared = ContextTrie(depth)
         self._running: dict[str, _Running] = {}
-        self._pending: deque[tuple[str, _Running]] = deque()  # ended, their outputs' tails not yet shared
-        self._finished: OrderedDict[str, list[int]] = OrderedDict()
+        self._pending: deque[_Running] = deque()  # ended, their outputs' tails not yet shared
+        self.pending_tokens = 0  # in those tails
+        self._finished: deque[list[int]] = deque()  # kept outputs, oldest first (ids may be reused: not keyed)
 
     def sync(self, request_id: str, token_ids: Sequence[int], prompt_len: int) -> _Running:
         """Index what is new in a running request's output in the shared trie; a list that is shorter or whose last
@@ -188,25 +189,28 @@ class SuffixCache:
         if token_ids is not None and len(token_ids) >= len(run.tokens) and \
                 token_ids[len(run.tokens) - 1:len(run.tokens)] == run.tokens[-1:]:
             run.tokens.extend(token_ids[len(run.tokens):])
-        self._pending.append((request_id, run))
+        self._pending.append(run)
+        self.pending_tokens += max(0, len(run.tokens) - max(run.shared_len, run.prompt_len + 1))
 
     def flush(self, budget: int) -> None:
         """Share up to `budget` more tokens of ended requests' outputs, oldest first; a whole output, once shared,
         counts against the bounds (the oldest finished one evicted past them)."""
         while budget > 0 and self._pending:
-            rid, run = self._pending[0]
+            run = self._pending[0]
             begin = max(run.shared_len, run.prompt_len + 1)  # the first position with a context in the output
             stop = max(begin, min(len(run.tokens), begin + budget))
             self.shared.add(run.tokens, begin, floor=run.prompt_len, stop=stop)
             budget -= max(1, stop - begin)
+            self.pending_tokens -= stop - begin
             run.shared_len = stop
             if stop < len(run.tokens):
                 return
             self._pending.popleft()
-            output = self._finished[rid] = run.tokens[run.prompt_len:]
+            output = run.tokens[run.prompt_len:]
+            self._finished.append(output)
             self.cached_tokens += len(output)
             while self._finished and (len(self._finished) > self.max_cached or self.cached_tokens > self.max_tokens):
-                _, old = self._finished.popitem(last=False)
+                old = self._finished.popleft()
                 self.shared.remove(old)
                 self.cached_tokens -= len(old)
 
