@@ -22,8 +22,8 @@ KEYS = ("method", "num_speculative_tokens", "model", "prompt_lookup_min", "promp
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
-    """How the engine speculates: a proposer (n-gram prompt lookup, or a draft model sharing the target's
-    vocabulary) guesses up to num_speculative_tokens tokens, which the target verifies in one pass."""
+    """How the engine speculates: a proposer (n-gram prompt lookup, suffix decoding, or a draft model sharing the
+    target's vocabulary) guesses up to num_speculative_tokens tokens, which the target verifies in one pass."""
 
     method: str
     num_speculative_tokens: int
@@ -67,11 +67,9 @@ class SpeculativeConfig:
                              "small model sharing the target's vocabulary)")
         if method not in METHODS:
             raise ValueError(f"{where}.method={method!r} is not one of {', '.join(METHODS)}")
+        # Required for every method, suffix too (vLLM defaults it to the tree depth there): the CRD requires it, and
+        # on CPU each draft row is a row of the verification's arithmetic, so k is a cost to choose, not a default.
         k = raw.get("num_speculative_tokens")
-        if k is None and method == "suffix":  # vLLM's default for suffix decoding: as deep as its tree
-            depth = raw.get("suffix_decoding_max_tree_depth", SpeculativeConfig.suffix_max_tree_depth)
-            if isinstance(depth, int) and not isinstance(depth, bool) and depth >= 1:
-                k = min(depth, MAX_SPECULATIVE_TOKENS)
         if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= MAX_SPECULATIVE_TOKENS:
             raise ValueError(f"{where}.num_speculative_tokens={k!r} must be an integer from 1 to "
                              f"{MAX_SPECULATIVE_TOKENS}: 3 to 5 is typical")

@@ -139,8 +139,8 @@ class RuntimeSpec(SpecModel):
     under it; default: none, each pod compiles anew). CUDA graphs are captured at every start: they cannot be
     stored."""
     speculative_config: SpeculativeConfigSpec | None = None
-    """Speculative decoding (--speculative-config; default: none): n-gram prompt lookup, or a draft model mounted
-    read-only beside the target."""
+    """Speculative decoding (--speculative-config; default: none): n-gram prompt lookup, suffix decoding, or a draft
+    model mounted read-only beside the target."""
     extra_args: list[Annotated[str, Field(max_length=1024)]] = Field(
         default_factory=list, max_length=64, json_schema_extra=cel(EXTRA_ARGS_RULE, EXTRA_ARGS_API_KEY_RULE))
     """Extra kvfleet-agent serve arguments, appended last (an escape hatch: later flags win; not --api-key, which

@@ -16,23 +16,27 @@ def run(tps: float, drafts: int = 0, accepted: int = 0) -> Run:
     return Run(decoded=int(tps), seconds=1.0, itl=[1 / tps], tokens=64, drafts=drafts, accepted=accepted)
 
 
-def test_no_prompt_is_served_twice_in_a_full_run_and_each_has_its_shape() -> None:
-    # A full run's draw (1 + 5 rounds of batches 1, 4, 16 and 64): suffix decoding would find a repeated prompt's
-    # own greedy answer among the outputs it keeps.
-    pool, seen = Prompts(seed=0), set()
-    for _ in range(6):
-        for w in ("edit", "code", "long"):
-            for b in (1, 4, 16, 64):
-                batch = pool.take(w, b * repeats(b))
-                assert not seen & set(batch) and len(set(batch)) == len(batch)
-                seen |= set(batch)
-                for p in batch:
-                    lines = p.splitlines()
+def test_no_source_line_serves_two_prompts_in_a_round_and_each_has_its_shape() -> None:
+    # Two rounds of a full run's draw (batches 1, 4, 16 and 64): suffix decoding would find a repeated prompt's own
+    # greedy answer among the outputs it keeps, or most of it where two prompts share lines.
+    pool = Prompts(seed=0)
+    for _ in range(2):
+        pool.new_round()
+        lines: list[str] = []
+        for b in (64, 16, 4, 1):
+            for w in ("edit", "code", "long"):
+                for p in pool.take(w, b * repeats(b)):
+                    got = p.splitlines()
                     if w == "edit":
-                        assert len(lines) == 8 and lines[6] == "" and lines[7] == lines[0] and all(lines[:6])
+                        assert len(got) == 8 and got[6] == "" and got[7] == got[0] and all(got[:6])
+                        got = got[:6]
                     else:
-                        assert len(lines) == 3 and p.endswith("\n") and all(lines)
-    assert Prompts(seed=0).take("code", 5) == Prompts(seed=0).take("code", 5) != Prompts(seed=1).take("code", 5)
+                        assert len(got) == 3 and p.endswith("\n") and all(got)
+                    lines += got
+        # Every prompt's source lines are its own: their union is as large as their sum.
+        assert len(lines) == len(pool._used_lines) == 6 * 344 + 3 * 2 * 344
+    a, b = Prompts(seed=0), Prompts(seed=1)
+    assert a.take("code", 5) == Prompts(seed=0).take("code", 5) != b.take("code", 5)
     with pytest.raises(RuntimeError, match="no more distinct 'edit' prompts"):
         Prompts(seed=0).take("edit", 10**6)
 

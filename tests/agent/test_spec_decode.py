@@ -192,8 +192,10 @@ def test_a_bad_speculative_config_is_refused_naming_the_key(tiny_checkpoint: Cal
                          "prompt_lookup_max": 2}, "prompt_lookup_min=4 is above prompt_lookup_max=2"),
                        ({"method": "ngram", "num_speculative_tokens": 2, "suffix_decoding_max_tree_depth": 4},
                         "suffix_decoding_max_tree_depth applies to method 'suffix' only"),
-                       ({"method": "suffix", "suffix_decoding_min_token_prob": 2},
+                       ({"method": "suffix", "num_speculative_tokens": 2, "suffix_decoding_min_token_prob": 2},
                         "suffix_decoding_min_token_prob=2 must be a number from 0.0 to 1.0"),
-                       ({"method": "suffix", "model": "/d"}, "method is 'suffix', which uses no model")):
+                       ({"method": "suffix", "num_speculative_tokens": 2, "model": "/d"},
+                        "method is 'suffix', which uses no model"),
+                       ({"method": "suffix"}, "num_speculative_tokens=None must be an integer")):
         with pytest.raises(ValueError, match=says.replace("(", r"\(").replace("[", r"\[")):
             LLM(model=tiny_checkpoint("llama"), **ENGINE_OPTIONS, speculative_config=spec)

@@ -84,7 +84,7 @@ def test_a_finished_request_s_output_is_proposed_to_a_later_one_and_its_prompt_i
     cache = SuffixCache(depth=4, max_cached_requests=10, max_cached_tokens=1000)
     prompt, output = [50, 51, 52], [10, 11, 12, 13, 14]
     cache.sync("a", prompt + output, len(prompt))
-    cache.finish("a")
+    cache.finish("a", prompt + output, len(prompt))
     cache.flush(100)
     got = cache.propose("b", [99, 10, 11], 2, k=3, min_prob=0.0, factor=4.0)
     assert got.tokens == [12, 13, 14] and got.shared
@@ -93,8 +93,8 @@ def test_a_finished_request_s_output_is_proposed_to_a_later_one_and_its_prompt_i
 
 def test_its_own_tokens_win_when_they_score_higher() -> None:
     cache = SuffixCache(depth=4, max_cached_requests=10, max_cached_tokens=1000)
-    cache.sync("a", [0, 1, 2, 8, 1, 2, 9], 1)
-    cache.finish("a")  # shared: after [1, 2] came 8 once and 9 once
+    # It never proposed, and is shared all the same: after [1, 2] came 8 once and 9 once.
+    cache.finish("a", [0, 1, 2, 8, 1, 2, 9], 1)
     cache.flush(100)
     own = [1, 2, 3, 1, 2, 3, 1, 2, 3, 1, 2]  # its own prompt: after [1, 2] always 3
     got = cache.propose("b", own, len(own), k=1, min_prob=0.0, factor=4.0)
@@ -104,7 +104,7 @@ def test_its_own_tokens_win_when_they_score_higher() -> None:
 def test_an_ended_output_is_shared_a_bounded_number_of_tokens_per_flush() -> None:
     cache = SuffixCache(depth=2, max_cached_requests=10, max_cached_tokens=1000)
     cache.sync("a", [0], 1)  # running: its prompt, no output yet
-    cache.finish("a", [0, *range(10, 20)])  # ended with 10 output tokens, none shared yet
+    cache.finish("a", [0, *range(10, 20)], 1)  # ended with 10 output tokens, none shared yet
     assert cache.shared.root.children == {}
     assert cache.pending_tokens == 9  # the output's positions with a context in it
     cache.flush(4)  # the contexts of output positions 1-4
@@ -121,7 +121,7 @@ def test_eviction_undoes_exactly_what_the_evicted_output_added() -> None:
     cache = SuffixCache(depth=3, max_cached_requests=1, max_cached_tokens=1000)
     for rid, toks in (("a", [0, 1, 2, 3, 1, 2, 4]), ("b", [0, 5, 6, 7, 5, 6])):
         cache.sync(rid, toks, 1)
-        cache.finish(rid)
+        cache.finish(rid, toks, 1)
         cache.flush(100)
     # Only b's output is left, and the trie is the one b's output alone builds.
     assert _shape(cache.shared.root) == _shape(trie([[5, 6, 7, 5, 6]], 3).root)
@@ -132,17 +132,54 @@ def test_the_token_bound_evicts_the_oldest_outputs_until_the_rest_fit() -> None:
     cache = SuffixCache(depth=3, max_cached_requests=100, max_cached_tokens=7)
     for rid, toks in (("a", [0, 1, 2, 3]), ("b", [0, 4, 5, 6]), ("c", [0, 7, 8, 9, 10])):
         cache.sync(rid, toks, 1)
-        cache.finish(rid)
+        cache.finish(rid, toks, 1)
         cache.flush(100)
     # Outputs of 3, 3 and 4 tokens: c's brings the total to 10 > 7, which evicts a (the oldest) and leaves 7.
     assert cache.cached_tokens == 7
     assert _shape(cache.shared.root) == _shape(trie([[4, 5, 6], [7, 8, 9, 10]], 3).root)
 
 
+def test_an_evicted_output_leaves_a_bounded_number_of_tokens_per_flush() -> None:
+    cache = SuffixCache(depth=2, max_cached_requests=1, max_cached_tokens=1000)
+    cache.finish("a", [0, *range(10, 30)], 1)
+    cache.flush(100)
+    cache.finish("b", [0, 40, 41], 1)
+    cache.flush(2)  # b's 1 position, then 1 of the 19 of a's leaving
+    left = trie([list(range(10, 30))], 2)
+    left.remove(list(range(10, 30)), 1, 2)
+    assert _shape(cache.shared.root) == _shape(_merged(left, [40, 41]))
+    cache.flush(100)
+    assert _shape(cache.shared.root) == _shape(trie([[40, 41]], 2).root)
+
+
+def _merged(t: ContextTrie, seq: list[int]) -> object:
+    t.add(seq)
+    return t.root
+
+
+def test_reset_forgets_every_shared_output_and_running_ones_are_indexed_again() -> None:
+    cache = SuffixCache(depth=2, max_cached_requests=10, max_cached_tokens=1000)
+    cache.finish("a", [0, 1, 2, 3], 1)
+    cache.flush(100)
+    cache.sync("b", [0, 5, 6], 1)
+    cache.reset_shared()
+    assert cache.shared.root.children == {} and cache.cached_tokens == cache.pending_tokens == 0
+    cache.propose("b", [0, 5, 6, 7], 1, k=1, min_prob=0.0, factor=1.0)
+    assert _shape(cache.shared.root) == _shape(trie([[5, 6, 7]], 2).root)
+
+
+def test_a_request_ending_without_output_leaves_the_queue_at_once() -> None:
+    cache = SuffixCache(depth=2, max_cached_requests=10, max_cached_tokens=1000)
+    cache.finish("a", [0, 1], 2)  # aborted before its first token
+    cache.finish("b", [0, 5, 6], 1)
+    cache.flush(2)  # a costs a unit of work, b's one position the other
+    assert _shape(cache.shared.root) == _shape(trie([[5, 6]], 2).root) and cache.pending_tokens == 0
+
+
 def test_no_shared_cache_keeps_nothing_after_a_request() -> None:
     cache = SuffixCache(depth=3, max_cached_requests=0, max_cached_tokens=1000)
     cache.sync("a", [0, 1, 2, 1, 2], 1)
-    cache.finish("a")
+    cache.finish("a", [0, 1, 2, 1, 2], 1)
     cache.flush(100)
     assert cache.shared.root.children == {}
 
@@ -187,13 +224,15 @@ def test_the_shared_trie_holds_exactly_the_running_and_the_kept_outputs(
             cache.sync(rid, running[rid], 1)
         elif op == "finish" and rid in running:
             final = running.pop(rid) + toks  # tokens since its last sync come with the end
-            cache.finish(rid, final)
+            cache.finish(rid, final, 1)
             ended.append(final[1:])
         else:
             cache.flush(budget)
     cache.flush(10**9)
     kept: list[list[int]] = []
     for out in ended:
+        if len(out) > max_tokens:
+            continue  # alone over the token bound: it leaves again, and evicts nothing older
         kept.append(out)
         while kept and (len(kept) > max_requests or sum(map(len, kept)) > max_tokens):
             kept.pop(0)

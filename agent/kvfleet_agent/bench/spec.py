@@ -60,39 +60,52 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 class Prompts:
-    """Every prompt of a run, none twice: runs of consecutive non-blank lines from the held-out standard-library files,
-    6 for `edit` (the snippet, a blank line and its first line again: the answer may repeat the prompt, prompt
-    lookup's case), 3 for `code` and `long`, which draw from one pool so that no `long` prompt is a `code` one.
+    """The prompts of a run, round by round: runs of consecutive non-blank lines from the held-out standard-library
+    files, 6 for `edit` (the snippet, a blank line and its first line again: the answer may repeat the prompt, prompt
+    lookup's case), 3 for `code` and `long`. Within a round no source line serves two prompts, whatever their
+    workload, and no text repeats.
 
-    No prompt repeats across cells and rounds: suffix decoding keeps earlier outputs, and a prompt served before
-    would find its own greedy answer there (the held-out files' 64 paragraphs, the prompts' source until session 19,
-    repeated within every round)."""
+    Suffix decoding keeps earlier outputs, which the bench clears at each round's start: a prompt served before, or
+    one sharing most of its lines (overlapping windows, or `code` and `long` alike), would find its own greedy answer
+    there. The held-out files' 64 paragraphs, the prompts' source until session 19, repeated within every round."""
 
     def __init__(self, seed: int) -> None:
-        rng = random.Random(seed)
-        self._pools = {"edit": _windows(6, rng), "code": _windows(3, rng)}
+        self._rng = random.Random(seed)
+        self._windows = {n: _windows(n) for n in (6, 3)}
+        self.new_round()
+
+    def new_round(self) -> None:
+        """Every window available again, in a new order."""
+        self._order = {n: self._rng.sample(ws, len(ws)) for n, ws in self._windows.items()}
+        self._used_lines: set[tuple[int, int]] = set()
+        self._used_texts: set[str] = set()
 
     def take(self, workload: str, n: int) -> list[str]:
-        """The next n prompts of a workload."""
-        pool = self._pools["edit" if workload == "edit" else "code"]
-        if len(pool) < n:
-            raise RuntimeError(f"bench spec: the held-out files give no more distinct {workload!r} prompts; use "
-                               "fewer --rounds or smaller --batch sizes")
-        out, pool[:] = pool[:n], pool[n:]
-        if workload != "edit":
-            return [text + "\n" for text in out]
-        return [f"{text}\n\n{text.splitlines()[0]}" for text in out]
+        """The round's next n prompts of a workload."""
+        size = 6 if workload == "edit" else 3
+        order, out = self._order[size], list[str]()
+        while len(out) < n and order:
+            text, where, first = order.pop()
+            lines = {(where, first + i) for i in range(size)}
+            if text in self._used_texts or lines & self._used_lines:
+                continue
+            self._used_texts.add(text)
+            self._used_lines |= lines
+            out.append(f"{text}\n\n{text.splitlines()[0]}" if workload == "edit" else f"{text}\n")
+        if len(out) < n:
+            raise RuntimeError(f"bench spec: the held-out files give no more distinct {workload!r} prompts this round; "
+                               "use smaller --batch sizes")
+        return out
 
 
-def _windows(lines: int, rng: random.Random) -> list[str]:
-    """Every distinct run of `lines` consecutive non-blank lines (under 600 characters) in the held-out files, shuffled.
-    No newline follows an edit prompt's repeated line: the tokenizer merges a newline with the next line's indent,
-    so the copy continues from where the snippet's own tokens did."""
-    seen: set[str] = set()
-    for path in source_files():
-        # The encodings package is generated charmap tables (a fifth of the held-out windows): data, not code.
-        if not is_eval(path) or "encodings" in path.parts:
-            continue
+def _windows(lines: int) -> list[tuple[str, int, int]]:
+    """Every run of `lines` consecutive non-blank lines (under 600 characters) in the held-out files but the
+    generated `encodings` charmap tables (data, not code), with its file's index and first line. No newline follows
+    an edit prompt's repeated line: the tokenizer merges a newline with the next line's indent, so the copy
+    continues from where the snippet's own tokens did."""
+    out = []
+    held = [p for p in source_files() if is_eval(p) and "encodings" not in p.parts]
+    for where, path in enumerate(held):
         try:
             text = path.read_text(encoding="utf-8").splitlines()
         except (UnicodeDecodeError, OSError):
@@ -100,9 +113,7 @@ def _windows(lines: int, rng: random.Random) -> list[str]:
         for i in range(len(text) - lines + 1):
             window = text[i:i + lines]
             if all(line.strip() for line in window) and sum(map(len, window)) < 600:
-                seen.add("\n".join(window))
-    out = sorted(seen)  # set order varies between processes; the shuffle must not
-    rng.shuffle(out)
+                out.append(("\n".join(window), where, i))
     return out
 
 
@@ -234,10 +245,16 @@ def run(a: argparse.Namespace) -> list[Cell]:
                       max_model_len=1024, num_threads=a.num_threads) for c in a.configs}
     samples: dict[tuple[str, int, str], list[Run]] = {}
     tokens: dict[tuple[str, int], set[int]] = {}
-    cells = [(w, b) for w in a.workloads for b in a.batch]
+    # Largest batches first: a round's batch-1 cells meet a suffix cache warmed by the round's other prompts, as on
+    # a server that has served others, rather than the empty one each round starts with.
+    cells = [(w, b) for b in sorted(a.batch, reverse=True) for w in a.workloads]
     pool = Prompts(a.seed)
     bar = tqdm(total=(a.warmup_rounds + a.rounds) * len(cells) * len(engines), desc="bench spec", unit="cell")
     for r in range(-a.warmup_rounds, a.rounds):
+        pool.new_round()
+        for llm in engines.values():
+            if llm.engine.speculator is not None:
+                llm.engine.speculator.reset_shared_outputs()  # no round finds an earlier round's answers
         for w, b in cells:
             ps = pool.take(w, b * repeats(b))
             pooled = {c: Run() for c in engines}

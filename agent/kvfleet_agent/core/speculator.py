@@ -134,7 +134,8 @@ class Speculator:
         return drafts
 
     def _guess(self, req: Request, room: int) -> tuple[list[int], int]:
-        """Up to `room` draft tokens for the request, and their kind (SpecPolicy): the n-gram match length."""
+        """Up to `room` draft tokens for the request, and their kind (SpecPolicy): the n-gram match length, or a
+        suffix proposal's match length and source."""
         if self.suffix is not None:
             c = self.config
             g = self.suffix.propose(req.request_id, req.token_ids, req.num_prompt_tokens, room,
@@ -239,14 +240,19 @@ class Speculator:
         """A request ended: its state goes, but a suffix cache keeps the whole output (steps that did not speculate
         did not look it up) for its shared trie."""
         if self.suffix is not None:
-            self.suffix.finish(req.request_id, req.token_ids)
+            self.suffix.finish(req.request_id, req.token_ids, req.num_prompt_tokens)
         self.forget([req.request_id])
+
+    def reset_shared_outputs(self) -> None:
+        """Forget the outputs suffix decoding shares across requests, as a fresh server (nothing without suffix)."""
+        if self.suffix is not None:
+            self.suffix.reset_shared()
 
     def forget(self, request_ids: Sequence[str]) -> None:
         """Drop finished requests' state."""
         for rid in request_ids:
             if self.suffix is not None:
-                self.suffix.finish(rid)  # its output stays shared with later requests
+                self.suffix.drop(rid)  # a request forgotten without finish() leaves no trace (after it: nothing)
             self.indexes.pop(rid, None)
             self.external.pop(rid, None)
             self.shadow.pop(rid, None)

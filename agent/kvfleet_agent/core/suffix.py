@@ -54,9 +54,10 @@ class ContextTrie:
                 child.last = nxt
                 node = child
 
-    def remove(self, tokens: Sequence[int]) -> None:
-        """Undo add(tokens) (from 0): the counts drop back and contexts no longer seen are pruned."""
-        for end in range(1, len(tokens)):
+    def remove(self, tokens: Sequence[int], start: int = 1, stop: int | None = None) -> None:
+        """Undo add(tokens) for the positions from `start` up to `stop` (default: all of them): the counts drop back
+        and contexts no longer seen are pruned; in pieces, so a long output can leave over several steps."""
+        for end in range(max(start, 1), len(tokens) if stop is None else stop):
             node, nxt = self.root, tokens[end]
             for i in range(end - 1, max(end - self.depth, 0) - 1, -1):
                 child = node.children.get(tokens[i])
@@ -125,33 +126,34 @@ def speculate(trie: ContextTrie, tokens: list[int], k: int, min_prob: float, fac
 
 class _Running:
     """A request's tokens, the first `shared_len` indexed in the shared trie (its output part) and the first `own_len`
-    in its own trie, which only a proposal needs (a request ending need not build it)."""
+    in its own trie, which only a proposal needs (None once it ended: an ending request need not build it)."""
 
     __slots__ = ("own", "own_len", "prompt_len", "shared_len", "tokens")
 
     def __init__(self, prompt_len: int, depth: int) -> None:
         self.tokens: list[int] = []
         self.prompt_len = prompt_len
-        self.own = ContextTrie(depth)
+        self.own: ContextTrie | None = ContextTrie(depth)
         self.own_len = 0
         self.shared_len = 0
 
 
 class SuffixCache:
     """Every running request's own trie (its prompt and output) and one trie shared by all requests' outputs, the
-    finished ones' kept up to max_cached_requests outputs and max_cached_tokens tokens (first in, first out; 0
-    requests keeps none)."""
+    ended ones' kept up to max_cached_requests outputs and max_cached_tokens tokens (first in, first out; 0
+    requests keeps none). Ended outputs join, and evicted ones leave, a bounded number of tokens a step (`flush`)."""
 
     def __init__(self, depth: int, max_cached_requests: int, max_cached_tokens: int) -> None:
         self.depth = depth
         self.max_cached = max_cached_requests
         self.max_tokens = max_cached_tokens
-        self.cached_tokens = 0  # in the finished outputs kept
         self.shared = ContextTrie(depth)
         self._running: dict[str, _Running] = {}
         self._pending: deque[_Running] = deque()  # ended, their outputs' tails not yet shared
         self.pending_tokens = 0  # in those tails
         self._finished: deque[list[int]] = deque()  # kept outputs, oldest first (ids may be reused: not keyed)
+        self.cached_tokens = 0  # in the kept outputs
+        self._evicting: deque[tuple[list[int], int]] = deque()  # outputs leaving, each from this position on
 
     def sync(self, request_id: str, token_ids: Sequence[int], prompt_len: int) -> _Running:
         """Index what is new in a running request's output in the shared trie; a list that is shorter or whose last
@@ -171,31 +173,46 @@ class SuffixCache:
                 factor: float) -> Guess:
         """The better-scored of the request's own continuation and the shared one."""
         run = self.sync(request_id, token_ids, prompt_len)
-        run.own.add(run.tokens, run.own_len)
+        own = run.own = run.own or ContextTrie(self.depth)
+        own.add(run.tokens, run.own_len)
         run.own_len = len(run.tokens)
-        own = speculate(run.own, run.tokens, k, min_prob, factor, shared=False)
+        mine = speculate(own, run.tokens, k, min_prob, factor, shared=False)
         if self.max_cached <= 0:
-            return own
+            return mine
         other = speculate(self.shared, run.tokens, k, min_prob, factor, shared=True)
-        return other if other.score > own.score else own
+        return other if other.score > mine.score else mine
 
-    def finish(self, request_id: str, token_ids: Sequence[int] | None = None) -> None:
-        """A request ended (with these tokens, if given): its own trie goes, and its output joins the shared trie by
-        `flush`, a bounded number of tokens a step, so a step where many requests end together is not the one that
-        pays for all of them."""
+    def finish(self, request_id: str, token_ids: Sequence[int], prompt_len: int) -> None:
+        """A request ended with these tokens (whether or not it ever proposed: requests that never speculate, or
+        end while speculation is off, are shared too): its own trie goes, its output is queued for `flush`."""
         run = self._running.pop(request_id, None)
-        if run is None or self.max_cached <= 0:
+        if self.max_cached <= 0:
             return
-        if token_ids is not None and len(token_ids) >= len(run.tokens) and \
-                token_ids[len(run.tokens) - 1:len(run.tokens)] == run.tokens[-1:]:
-            run.tokens.extend(token_ids[len(run.tokens):])
+        if run is None or len(token_ids) < len(run.tokens) or (run.tokens and
+                                                               token_ids[len(run.tokens) - 1] != run.tokens[-1]):
+            if run is not None:
+                self.shared.remove(run.tokens[run.prompt_len:run.shared_len])
+            run = _Running(prompt_len, self.depth)
+        run.own = None
+        run.tokens.extend(token_ids[len(run.tokens):])
         self._pending.append(run)
         self.pending_tokens += max(0, len(run.tokens) - max(run.shared_len, run.prompt_len + 1))
 
     def flush(self, budget: int) -> None:
-        """Share up to `budget` more tokens of ended requests' outputs, oldest first; a whole output, once shared,
-        counts against the bounds (the oldest finished one evicted past them)."""
-        while budget > 0 and self._pending:
+        """Spend about `budget` tokens' work: first on evicted outputs leaving the shared trie, then on ended ones
+        joining it, oldest first. A whole output, once shared, counts against the bounds; past them the oldest kept
+        ones are evicted (an output longer than max_cached_tokens leaves again at once)."""
+        while budget > 0 and (self._evicting or self._pending):
+            if self._evicting:
+                tokens, pos = self._evicting[0]
+                stop = min(len(tokens), pos + budget)
+                self.shared.remove(tokens, pos, stop)
+                budget -= max(1, stop - pos)
+                if stop < len(tokens):
+                    self._evicting[0] = (tokens, stop)
+                else:
+                    self._evicting.popleft()
+                continue
             run = self._pending[0]
             begin = max(run.shared_len, run.prompt_len + 1)  # the first position with a context in the output
             stop = max(begin, min(len(run.tokens), begin + budget))
@@ -203,19 +220,35 @@ class SuffixCache:
             budget -= max(1, stop - begin)
             self.pending_tokens -= stop - begin
             run.shared_len = stop
-            if stop < len(run.tokens):
-                return
-            self._pending.popleft()
-            output = run.tokens[run.prompt_len:]
-            self._finished.append(output)
-            self.cached_tokens += len(output)
-            while self._finished and (len(self._finished) > self.max_cached or self.cached_tokens > self.max_tokens):
-                old = self._finished.popleft()
-                self.shared.remove(old)
-                self.cached_tokens -= len(old)
+            if stop >= len(run.tokens):  # an empty output (begin past the end) is done at once
+                self._pending.popleft()
+                self._keep(run.tokens[run.prompt_len:])
+
+    def _keep(self, output: list[int]) -> None:
+        """A fully shared output joins the kept ones; the oldest leave past the bounds (queued for `flush`)."""
+        if len(output) > self.max_tokens:
+            self._evicting.append((output, 1))
+            return
+        self._finished.append(output)
+        self.cached_tokens += len(output)
+        while len(self._finished) > self.max_cached or self.cached_tokens > self.max_tokens:
+            old = self._finished.popleft()
+            self.cached_tokens -= len(old)
+            self._evicting.append((old, 1))
 
     def drop(self, request_id: str) -> None:
         """Forget a running request entirely, its shared counts included (its list was replaced)."""
         run = self._running.pop(request_id, None)
         if run is not None and self.max_cached > 0:
             self.shared.remove(run.tokens[run.prompt_len:run.shared_len])
+
+    def reset_shared(self) -> None:
+        """Forget every output shared so far (a fresh server's cache); running requests' outputs are indexed again
+        as they next propose."""
+        self.shared = ContextTrie(self.depth)
+        self._pending.clear()
+        self._finished.clear()
+        self._evicting.clear()
+        self.pending_tokens = self.cached_tokens = 0
+        for run in self._running.values():
+            run.shared_len = 0

@@ -37,7 +37,7 @@ def draft_config(model_dir: str, target: ModelConfig, target_dir: str, max_model
     if cfg.vocab_size != target.vocab_size:
         raise ValueError(f"{where} has vocab_size {cfg.vocab_size} but the target {target_dir!r} has "
                          f"{target.vocab_size}: a draft model must share the target's tokenizer and vocabulary; use a "
-                         "smaller model of the same family, or method 'ngram'")
+                         "smaller model of the same family, or method 'ngram' or 'suffix'")
     limit = min(cfg.max_position_embeddings, cfg.sliding_window or cfg.max_position_embeddings)
     if limit < max_model_len:
         raise ValueError(f"{where} holds {limit} positions (config.json max_position_embeddings / sliding_window), "
