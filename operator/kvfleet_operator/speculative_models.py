@@ -18,6 +18,10 @@ DEFAULT_PROMPT_LOOKUP = 5  # vLLM's prompt_lookup_min and _max when neither is g
 # suffix decoding's max tree depth, cached requests, max spec factor, min token probability and cached tokens when
 # not given
 DEFAULT_SUFFIX = (8, 10_000, 1.0, 0.1, 200_000)
+# Their fields, in that order: named as the agent's --speculative-config keys, so agent_config renders them as they are
+SUFFIX_FIELDS = ("suffix_decoding_max_tree_depth", "suffix_decoding_max_cached_requests",
+                 "suffix_decoding_max_spec_factor", "suffix_decoding_min_token_prob",
+                 "suffix_decoding_max_cached_tokens")
 # Where the agent container finds the checkpoints: the target's volume at /models/<spec.model.name> (builders.py),
 # the draft's at /draft-models/<spec.model.name>; distinct roots, so neither mount can hide the other.
 TARGET_MODELS_DIR, DRAFT_MODELS_DIR = "/models", "/draft-models"
@@ -152,13 +156,11 @@ class SpeculativeConfigSpec(SpecModel):
         lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
         check(self.method == "ngram" or (lo is None and hi is None), PROMPT_LOOKUP_METHOD_RULE)
         check(lo is None or hi is None or lo <= hi, PROMPT_LOOKUP_ORDER_RULE)
-        check(self.method == "suffix" or self._suffix_given() == (None,) * 5, SUFFIX_METHOD_RULE)
+        check(self.method == "suffix" or self._suffix_given() == (None,) * len(SUFFIX_FIELDS), SUFFIX_METHOD_RULE)
         return self
 
     def _suffix_given(self) -> tuple[int | float | None, ...]:
-        return (self.suffix_decoding_max_tree_depth, self.suffix_decoding_max_cached_requests,
-                self.suffix_decoding_max_spec_factor, self.suffix_decoding_min_token_prob,
-                self.suffix_decoding_max_cached_tokens)
+        return tuple(getattr(self, name) for name in SUFFIX_FIELDS)
 
     def prompt_lookup(self) -> tuple[int, int]:
         """The n-gram bounds in force: one given sets the other; neither, vLLM's 5 and 5."""
@@ -172,11 +174,8 @@ class SpeculativeConfigSpec(SpecModel):
         if self.method == "draft_model":
             out["model"] = draft_dir
         elif self.method == "suffix":
-            keys = ("suffix_decoding_max_tree_depth", "suffix_decoding_max_cached_requests",
-                    "suffix_decoding_max_spec_factor", "suffix_decoding_min_token_prob",
-                    "suffix_decoding_max_cached_tokens")
             out |= {key: default if v is None else v
-                    for key, v, default in zip(keys, self._suffix_given(), DEFAULT_SUFFIX, strict=True)}
+                    for key, v, default in zip(SUFFIX_FIELDS, self._suffix_given(), DEFAULT_SUFFIX, strict=True)}
         else:
             out["prompt_lookup_min"], out["prompt_lookup_max"] = self.prompt_lookup()
         if self.disable_by_batch_size is not None:

@@ -126,16 +126,22 @@ def speculate(trie: ContextTrie, tokens: list[int], k: int, min_prob: float, fac
 
 class _Running:
     """A request's tokens, the first `shared_len` indexed in the shared trie (its output part) and the first `own_len`
-    in its own trie, which only a proposal needs (None once it ended: an ending request need not build it)."""
+    in its own trie, which only a proposal builds (None until the request proposes, and again once it ended)."""
 
     __slots__ = ("own", "own_len", "prompt_len", "shared_len", "tokens")
 
-    def __init__(self, prompt_len: int, depth: int) -> None:
+    def __init__(self, prompt_len: int) -> None:
         self.tokens: list[int] = []
         self.prompt_len = prompt_len
-        self.own: ContextTrie | None = ContextTrie(depth)
+        self.own: ContextTrie | None = None
         self.own_len = 0
         self.shared_len = 0
+
+
+def _replaced(seen: list[int], token_ids: Sequence[int]) -> bool:
+    """Whether a request's token list is no longer `seen` plus new tokens: shorter (truncated), or its last indexed
+    token changed (replaced in place; an O(1) check, as NgramIndex.sync's)."""
+    return len(token_ids) < len(seen) or bool(seen and token_ids[len(seen) - 1] != seen[-1])
 
 
 class SuffixCache:
@@ -159,10 +165,9 @@ class SuffixCache:
         """Index what is new in a running request's output in the shared trie; a list that is shorter or whose last
         indexed token changed (truncated, replaced) starts over."""
         run = self._running.get(request_id)
-        seen = run.tokens if run is not None else []
-        if run is None or len(token_ids) < len(seen) or (seen and token_ids[len(seen) - 1] != seen[-1]):
+        if run is None or _replaced(run.tokens, token_ids):
             self.drop(request_id)
-            run = self._running[request_id] = _Running(prompt_len, self.depth)
+            run = self._running[request_id] = _Running(prompt_len)
         run.tokens.extend(token_ids[len(run.tokens):])
         if self.max_cached > 0:
             self.shared.add(run.tokens, run.shared_len, floor=run.prompt_len)
@@ -185,14 +190,13 @@ class SuffixCache:
     def finish(self, request_id: str, token_ids: Sequence[int], prompt_len: int) -> None:
         """A request ended with these tokens (whether or not it ever proposed: requests that never speculate, or
         end while speculation is off, are shared too): its own trie goes, its output is queued for `flush`."""
-        run = self._running.pop(request_id, None)
+        run = self._running.get(request_id)
+        if run is None or _replaced(run.tokens, token_ids):
+            self.drop(request_id)  # its shared counts were of other tokens
+            run = _Running(prompt_len)
+        self._running.pop(request_id, None)
         if self.max_cached <= 0:
             return
-        if run is None or len(token_ids) < len(run.tokens) or (run.tokens and
-                                                               token_ids[len(run.tokens) - 1] != run.tokens[-1]):
-            if run is not None:
-                self.shared.remove(run.tokens[run.prompt_len:run.shared_len])
-            run = _Running(prompt_len, self.depth)
         run.own = None
         run.tokens.extend(token_ids[len(run.tokens):])
         self._pending.append(run)
