@@ -6,9 +6,11 @@ adaptive policy turning a useless speculation off; the counters and the agent's 
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
+from hf_reference import hf_greedy
 from llm_helpers import ENGINE_OPTIONS
 from server_process import running_agent
 from spec_helpers import drafted, run, same
@@ -16,6 +18,7 @@ from spec_helpers import drafted, run, same
 from kvfleet_agent.core.request import Request
 from kvfleet_agent.core.speculator import Speculator
 from kvfleet_agent.llm import LLM
+from kvfleet_agent.models.train_tiny import FAST, train_pair
 from kvfleet_agent.outputs import CompletionOutput
 from kvfleet_agent.sampling_params import SamplingParams
 
@@ -81,6 +84,24 @@ def test_suffix_decoding_is_exact_under_preemption_and_proposes_from_earlier_req
     proposed, accepted = (a - b for a, b in zip(drafted(llm), before, strict=True))
     assert llm.engine.stats().num_preemptions > 0
     assert accepted > 0.8 * proposed and proposed > 5 * 40, (proposed, accepted)
+
+
+def test_suffix_decoding_on_a_transformers_checkpoint_gives_transformers_own_greedy_tokens(tmp_path: Path) -> None:
+    """The fast trained target, written by transformers' save_pretrained, served with suffix decoding: every token is
+    the one transformers' own greedy decoding picks, also for the repeats that draft from the shared outputs."""
+    train_pair(str(tmp_path / "pair"), FAST)  # from the user's cache after its first training
+    target = str(tmp_path / "pair" / "target")
+    llm = LLM(model=target, dtype="float32", speculative_config=SUFFIX)
+    prompts = [llm.engine.tokenize(p) for p in ("def main(argv):\n    ", "import os\nimport sys\n\n",
+                                               "class Foo(object):\n    def __init__(self")]
+    params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
+    for _ in range(2):  # the second time, the first answers are among the shared outputs
+        before = drafted(llm)
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        for prompt, out in zip(prompts, outs, strict=True):
+            assert out.outputs[0].token_ids == hf_greedy(target, prompt, 32)
+    proposed, accepted = (a - b for a, b in zip(drafted(llm), before, strict=True))
+    assert accepted > 0.8 * proposed > 0, (proposed, accepted)
 
 
 def _tight_pool(ckpt: str, options: dict[str, Any]) -> dict[str, Any]:
