@@ -111,6 +111,19 @@ AGREE_ENV: list[dict[str, Any]] = [
     {"name": "A", "valueFrom": {}},
     {"name": "KVFLEET_API_KEY", "valueFrom": {"secretKeyRef": {"name": "s", "key": "k"}}},
 ]
+# Suffix decoding's fields: its own method only, within their bounds, k required as for every method.
+AGREE_SPECULATIVE: list[dict[str, Any]] = [
+    {"method": "suffix", "numSpeculativeTokens": 4},
+    {"method": "suffix", "numSpeculativeTokens": 4, "suffixDecodingMaxTreeDepth": 16,
+     "suffixDecodingMaxCachedRequests": 0, "suffixDecodingMaxSpecFactor": 2.5, "suffixDecodingMinTokenProb": 0.0,
+     "suffixDecodingMaxCachedTokens": 1000},
+    {"method": "suffix"},
+    {"method": "suffix", "numSpeculativeTokens": 4, "suffixDecodingMaxCachedTokens": -1},
+    {"method": "suffix", "numSpeculativeTokens": 4, "suffixDecodingMinTokenProb": 1.5},
+    {"method": "suffix", "numSpeculativeTokens": 4, "suffixDecodingMaxTreeDepth": 0},
+    {"method": "ngram", "numSpeculativeTokens": 3, "suffixDecodingMaxCachedTokens": 10},
+    {"method": "draft_model", "numSpeculativeTokens": 3, "suffixDecodingMaxTreeDepth": 4},
+]
 
 
 def test_the_apiserver_and_the_models_agree(cluster: LocalCluster, operator: Operator, namespace: str,
@@ -122,6 +135,10 @@ def test_the_apiserver_and_the_models_agree(cluster: LocalCluster, operator: Ope
         specs.append((f"hostPath {path}", body))
     for env in AGREE_ENV:
         specs.append((f"env {env}", inference_deployment("agree", namespace, tiny_model, pod={"env": [env]})))
+    for config in AGREE_SPECULATIVE:
+        body = inference_deployment("agree", namespace, tiny_model)
+        body["spec"]["runtime"]["speculativeConfig"] = config
+        specs.append((f"speculativeConfig {config}", body))
     disagree = []
     for case, body in specs:
         server = cluster.kubectl("apply", "--server-side", "--dry-run=server", "--field-manager=e2e-user", "-f", "-",
