@@ -8,6 +8,7 @@ import math
 import os
 import random
 import signal
+import statistics
 import threading
 import time
 import uuid
@@ -75,10 +76,13 @@ def test_a_scale_up_spreads_the_load_and_lowers_ttft(fleet: Fleet, tmp_path: Pat
     assert p95_three <= 0.75 * p95_one, (p95_one, p95_three)
 
 
-def shared_prefix_bodies(seed: int, systems: int, users: int) -> list[dict[str, object]]:
-    """Several long system prompts and many users each; system 0 is hot (half the requests), to test the bound."""
-    rng = random.Random(seed)
-    prompts = [" ".join(rng.choice(WORDS) for _ in range(50)) + f" [{seed}-{i}]" for i in range(systems)]
+def shared_prefix_bodies(salt: str, systems: int, users: int) -> list[dict[str, object]]:
+    """Several long system prompts and many users each; system 0 is hot (half the requests), to test the bound.
+
+    One fixed structure (which user asks under which system, every word), so two runs differ only in `salt`,
+    which leads each system prompt: a new salt is a workload of the same shape on cold caches."""
+    rng = random.Random(1)
+    prompts = [f"{salt} " + " ".join(rng.choice(WORDS) for _ in range(50)) + f" [{i}]" for i in range(systems)]
     bodies: list[dict[str, object]] = []
     for u in range(users):
         system = 0 if u % 2 == 0 else rng.randrange(1, systems)
@@ -102,27 +106,34 @@ def test_shared_prefixes_hit_more_through_the_router_than_round_robin(fleet: Fle
                 loads.append(total(m, "kvfleet_requests_waiting") + total(m, "kvfleet_requests_running"))
             stop.wait(0.2)  # a sampling period, not a synchronisation
 
-    def hit_ratio(urls: list[str], seed: int) -> float:
+    def hit_ratio(urls: list[str], salt: str) -> float:
         before_h = sum(fleet.agent_counter("kvfleet_prefix_cache_hits_total").values())
         before_q = sum(fleet.agent_counter("kvfleet_prefix_cache_queries_total").values())
-        run = fleet_client.run(urls, shared_prefix_bodies(seed, systems=6, users=72), concurrency=6, timeout=60)
+        bodies = shared_prefix_bodies(salt, systems=12, users=72)
+        run = fleet_client.run(urls, bodies, concurrency=6, timeout=60)
         assert run.count("done") == len(run.outcomes), [o.detail for o in run.outcomes if o.fate != "done"][:3]
         hits = sum(fleet.agent_counter("kvfleet_prefix_cache_hits_total").values()) - before_h
         queries = sum(fleet.agent_counter("kvfleet_prefix_cache_queries_total").values()) - before_q
         return hits / queries
 
+    # Round-robin's ratio is fixed by the workload's shape. The router's depends on where the 12 prefixes land on
+    # the hash ring (a salt, or new pod names, moves them): with the hot prefix's owner holding two others, more
+    # spills past the bound. Single placements read 0.57-0.64 here (round-robin 0.50), so the router is judged on
+    # the mean of three.
     with forwards(fleet, list(agents.values()), AGENT_PORT) as direct:
-        round_robin = hit_ratio([f"http://127.0.0.1:{p}/v1/completions" for p in direct], seed=1)
+        round_robin = hit_ratio([f"http://127.0.0.1:{p}/v1/completions" for p in direct], salt="rr")
     sampler = threading.Thread(target=sample, daemon=True)
     with forwards(fleet, [fleet.router_ip()], ROUTER_PORT) as (port,):
         sampler.start()
-        try:
-            routed = hit_ratio([f"http://127.0.0.1:{port}/v1/completions"], seed=2)  # fresh prompts: cold caches
+        try:  # fresh salts: cold caches
+            placements = [hit_ratio([f"http://127.0.0.1:{port}/v1/completions"], salt=f"routed{i}") for i in range(3)]
         finally:
             stop.set()
             sampler.join()
+    routed = statistics.mean(placements)
     limit = math.ceil((1 + EPSILON) * (6 + 1) / 3)  # the picker's bound for 6 in flight on 3 replicas
-    print(f"\nprefix-cache hit ratio: {routed:.1%} through the router, {round_robin:.1%} round-robin; "
+    print(f"\nprefix-cache hit ratio: {routed:.1%} through the router (placements "
+          f"{', '.join(f'{r:.1%}' for r in placements)}), {round_robin:.1%} round-robin; "
           f"most any replica held: {max(loads):.0f} (bound {limit})")
     assert routed > round_robin + 0.05, (routed, round_robin)
     assert loads and max(loads) <= limit, max(loads)
