@@ -156,6 +156,34 @@ def test_concurrent_requests_all_finish(ckpt: Path, offline: LLM) -> None:
     _run(AsyncLLM.from_options(str(ckpt), **ENGINE_OPTIONS), body)
 
 
+def test_the_gauges_are_one_moment_the_engine_thread_published(ckpt: Path) -> None:
+    # A reader on another thread that took len(waiting) and len(running) apart counted a request that moved between
+    # them twice (an agent's gauges read 4 requests where its router had sent 3): stats() reads the queues the engine
+    # thread last published, whole, plus the adds posted since, never the scheduler's lists while they change.
+    async def body(llm: AsyncLLM) -> None:
+        stream = llm.generate("hello world", LONG)
+        async for _ in stream:  # its first token: it runs
+            break
+        assert (llm.stats().num_waiting, llm.stats().num_running) == (0, 1)
+        await llm.abort(stream.request_id)
+        await llm.barrier()
+        _assert_idle(llm)
+        assert (llm.stats().num_waiting, llm.stats().num_running, llm.num_waiting()) == (0, 0, 0)
+        sched = llm.engine.scheduler
+        # The engine thread is idle (it waits for a command), so nothing but this test touches the lists now: what
+        # a reader sees of them mid-change stands in for a half-made move.
+        ghost = object()
+        sched.waiting.append(ghost)  # type: ignore[arg-type]
+        sched.running.append(ghost)  # type: ignore[arg-type]
+        try:
+            assert (llm.stats().num_waiting, llm.stats().num_running, llm.num_waiting()) == (0, 0, 0)
+        finally:
+            sched.waiting.pop()
+            sched.running.pop()
+
+    _run(AsyncLLM.from_options(str(ckpt), **ENGINE_OPTIONS), body)
+
+
 # --- abort and disconnect -------------------------------------------------------------------------
 
 

@@ -46,6 +46,10 @@ class AsyncLLM:
         # Adds posted (caller side) and taken (engine side): each written by one thread only.
         self._adds_posted = 0
         self._adds_taken = 0
+        # (waiting, running, adds taken) as the engine thread last left them, published as one tuple so a reader on
+        # another thread sees one moment: len(waiting) then len(running) read apart counted a request that moved
+        # between them twice (an agent's gauges read 4 where the router had sent it 3).
+        self._queues = (0, 0, 0)
         self._closed = False  # shutdown() was called: take no new requests
         self._stopped = False  # the engine thread is done (stop handled, or it failed)
         self.error: BaseException | None = None
@@ -117,7 +121,8 @@ class AsyncLLM:
 
     def stats(self) -> EngineStats:
         """The engine's gauges and counters now (read without a lock: a step stale at worst)."""
-        return self.engine.stats(in_flight=self._in_flight())
+        waiting, running, taken = self._queues
+        return self.engine.stats(queues=(waiting + max(0, self._adds_posted - taken), running))
 
     def num_unfinished(self) -> int:
         """Requests accepted and not finished (approximate while a step runs)."""
@@ -125,13 +130,15 @@ class AsyncLLM:
 
     def num_waiting(self) -> int:
         """Requests accepted but not yet running: queued in the engine or still on their way to it."""
-        # Read from another thread without a lock: len() of a deque is atomic, and an estimate
-        # one step stale is all admission control needs.
-        return len(self.engine.scheduler.waiting) + self._in_flight()
+        # From the engine thread's last published queues (a step stale at worst, all admission control needs) and
+        # the adds posted since it took its last: each request counted once.
+        waiting, _, taken = self._queues
+        return waiting + max(0, self._adds_posted - taken)
 
-    def _in_flight(self) -> int:
-        """Adds posted to the inbox and not yet taken by the engine thread."""
-        return max(0, self._adds_posted - self._adds_taken)
+    def _publish(self) -> None:
+        """Publish the scheduler's queue lengths (engine thread, after every change and before any output goes)."""
+        sched = self.engine.scheduler
+        self._queues = (len(sched.waiting), len(sched.running), self._adds_taken)
 
     # -- requests -------------------------------------------------------------------------------------
 
@@ -204,6 +211,7 @@ class AsyncLLM:
                 self.engine.counters.last_step_time = time.time()
             block = False
             self._run(posted.command)
+            self._publish()
             if posted.done is not None:
                 posted.done.set_result(None)
 
@@ -257,7 +265,9 @@ class AsyncLLM:
                 self._drain_inbox(block=not self.engine.has_unfinished())
                 if self._stopped or not self.engine.has_unfinished():
                     continue
-                for out in self.engine.step():
+                outs = self.engine.step()
+                self._publish()  # before the outputs: a client that has its answer is no longer counted
+                for out in outs:
                     if out.request_id in self._streams:
                         self._deliver(out.request_id, out)
         except BaseException as e:  # a failed step must not leave clients waiting forever

@@ -199,10 +199,12 @@ class LLMEngine:
             outs.append(self._output(self._tracked.pop(req.request_id)))
         return outs
 
-    def stats(self, in_flight: int = 0) -> EngineStats:
-        """The gauges and counters now; in_flight: requests accepted by a caller but not yet add()ed."""
+    def stats(self, queues: tuple[int, int] | None = None) -> EngineStats:
+        """The gauges and counters now; queues: (waiting, running) as a caller on another thread knows them (the
+        scheduler's own lengths otherwise)."""
         sched, kv, c = self.scheduler, self.kv, self.counters
-        return EngineStats(len(sched.waiting) + in_flight, len(sched.running), sched.has_work(), kv.pool.usage(),
+        waiting, running = (len(sched.waiting), len(sched.running)) if queues is None else queues
+        return EngineStats(waiting, running, sched.has_work(), kv.pool.usage(),
                            c.prompt_tokens, c.generation_tokens, dict(c.finished), sched.num_preemptions,
                            kv.prefix_queries, kv.prefix_hits, c.last_step_time, self._spec_snapshot())
 
