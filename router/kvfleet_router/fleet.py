@@ -125,13 +125,19 @@ class Fleet:
                     ok = resp.status == 200
                     await resp.read()
                 if ok:
+                    # Ours that finish while /metrics is on its way may still be in its gauges (the agent read them
+                    # before they left), so they stay subtracted. Forgetting them counted them twice until the next
+                    # scrape: the fleet's load summed high, and with it the picker's bound, ⌈(1 + ε) × total / n⌉.
+                    # Where the gauges had already dropped one, this errs low, never below our own in-flight count,
+                    # which is exact.
+                    finished_before = r.finished_since_scrape
                     async with session.get(f"{r.url}/metrics") as resp:
                         gauges = parse_gauges(await resp.text())
                     r.waiting = gauges.get(contract.REQUESTS_WAITING, 0.0)
                     r.running = gauges.get(contract.REQUESTS_RUNNING, 0.0)
                     r.kv_usage = gauges.get(contract.KV_CACHE_USAGE, 0.0)
                     r.scraped_at = time.monotonic()
-                    r.finished_since_scrape = 0
+                    r.finished_since_scrape -= finished_before
                 r.timeouts = 0
             except TimeoutError:  # before ClientError: aiohttp's read timeout is both
                 r.timeouts += 1

@@ -85,3 +85,39 @@ def test_a_replica_that_times_out_stays_ready_until_it_misses_three_scrapes_and_
             assert not a.ready
 
     asyncio.run(asyncio.wait_for(body(), 30))
+
+
+def test_a_request_that_finishes_while_the_gauges_are_read_is_not_counted_twice() -> None:
+    async def body() -> None:
+        fleet = Fleet(on_ready=lambda model: None)
+
+        async def ready(_: web.Request) -> web.Response:
+            return web.Response(text="ok")
+
+        async def metrics(_: web.Request) -> web.Response:
+            # The agent reads its gauges with 3 of ours running; one of them ends before the answer lands.
+            text = f"# TYPE {contract.REQUESTS_RUNNING} gauge\n{contract.REQUESTS_RUNNING} 3.0\n"
+            fleet.models["m"]["a"].finished()
+            return web.Response(text=text)
+
+        app = web.Application()
+        app.router.add_get("/ready", ready)
+        app.router.add_get("/metrics", metrics)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        fleet.set_endpoints("m", {"a": f"http://127.0.0.1:{runner.addresses[0][1]}"})
+        a = fleet.models["m"]["a"]
+        a.in_flight = 3
+        a.finished()  # one ended before the scrape began: the gauges no longer count it
+        a.in_flight += 1  # and another was sent
+        try:
+            async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5)) as session:
+                await fleet.scrape(session)
+        finally:
+            await runner.cleanup()
+        # 2 of ours are in flight: the scraped 3 less the one that ended during the read, never the stale 3.
+        assert a.in_flight == 2 and a.load().running == 2 and a.load().load == 2
+
+    asyncio.run(asyncio.wait_for(body(), 30))
