@@ -36,7 +36,11 @@ def metrics(cluster: LocalCluster, ip: str, port: int) -> dict[str, list[tuple[d
     """A pod's /metrics, read from inside the pod network: family sample name → (labels, value) pairs."""
     code = f"import urllib.request; print(urllib.request.urlopen('http://{ip}:{port}/metrics', timeout=5).read()" \
            ".decode())"
-    text = cluster.exec_in_pod_network(sys.executable, "-c", code).stdout
+    return parse_metrics(cluster.exec_in_pod_network(sys.executable, "-c", code).stdout)
+
+
+def parse_metrics(text: str) -> dict[str, list[tuple[dict[str, str], float]]]:
+    """A Prometheus exposition's samples: family sample name → (labels, value) pairs."""
     out: dict[str, list[tuple[dict[str, str], float]]] = {}
     for family in text_string_to_metric_families(text):
         for s in family.samples:
