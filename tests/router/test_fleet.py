@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Awaitable, Callable
 
 import aiohttp
 from aiohttp import web
@@ -10,6 +11,18 @@ from aiohttp import web
 from kvfleet_contract import metrics as contract
 from kvfleet_router.fleet import TIMEOUTS_BEFORE_UNREADY, Fleet, Replica, parse_gauges
 
+Handler = Callable[[web.Request], Awaitable[web.Response]]
+
+
+async def replica(ready: Handler, metrics: Handler) -> tuple[web.AppRunner, str]:
+    """A stand-in agent serving /ready and /metrics on a free loopback port: its runner and URL."""
+    app = web.Application()
+    app.router.add_get("/ready", ready)
+    app.router.add_get("/metrics", metrics)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    return runner, f"http://127.0.0.1:{runner.addresses[0][1]}"
 
 def test_requests_that_finished_since_the_scrape_no_longer_count() -> None:
     r = Replica("a", "http://a", waiting=2.0, running=3.0, in_flight=5)
@@ -56,16 +69,9 @@ def test_a_replica_that_times_out_stays_ready_until_it_misses_three_scrapes_and_
         async def metrics(_: web.Request) -> web.Response:
             return web.Response(text=f"# TYPE {contract.REQUESTS_WAITING} gauge\n{contract.REQUESTS_WAITING} 7.0\n")
 
-        app = web.Application()
-        app.router.add_get("/ready", ready)
-        app.router.add_get("/metrics", metrics)
-        runner = web.AppRunner(app)
-        await runner.setup()
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        await site.start()
-        port = runner.addresses[0][1]
+        runner, url = await replica(ready, metrics)
         fleet = Fleet(on_ready=lambda model: None)
-        fleet.set_endpoints("m", {"a": f"http://127.0.0.1:{port}"})
+        fleet.set_endpoints("m", {"a": url})
         a = fleet.models["m"]["a"]
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=0.2)) as session:
             await fleet.scrape(session)
@@ -100,14 +106,8 @@ def test_a_request_that_finishes_while_the_gauges_are_read_is_not_counted_twice(
             fleet.models["m"]["a"].finished()
             return web.Response(text=text)
 
-        app = web.Application()
-        app.router.add_get("/ready", ready)
-        app.router.add_get("/metrics", metrics)
-        runner = web.AppRunner(app)
-        await runner.setup()
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        await site.start()
-        fleet.set_endpoints("m", {"a": f"http://127.0.0.1:{runner.addresses[0][1]}"})
+        runner, url = await replica(ready, metrics)
+        fleet.set_endpoints("m", {"a": url})
         a = fleet.models["m"]["a"]
         a.in_flight = 3
         a.finished()  # one ended before the scrape began: the gauges no longer count it
