@@ -206,7 +206,11 @@ class Router:
         except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, TimeoutError) as e:
             self.metrics.upstream_errors.labels(model, "connect").inc()
             log.warning("replica %s of %s failed before answering: %s", replica.name, model, e)
-            self.fleet.mark(model, replica, False)  # until the next scrape finds it answering again
+            if isinstance(e, aiohttp.ClientConnectorError | TimeoutError):
+                self.fleet.mark(model, replica, False)  # unreachable: out until the next scrape finds it answering
+            # Otherwise a connection it had open went away (a kept-alive one it was closing as we reused it, or one
+            # it reset): that says nothing of the next one, so only this request moves. Taking the replica out sent
+            # everything to the other for a scrape's time (a unit test read 40 requests against 0).
             return 1.0
         finally:
             replica.finished()
