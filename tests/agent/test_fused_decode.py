@@ -85,8 +85,8 @@ def test_every_decode_step_is_the_layers_bit_for_bit(arch: str, dtype: str, tiny
     twin = Twin(llm.engine.runner.model)
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
     fused = tokens(llm, params)
-    # 11 decode steps of 6 rows each (the prefills and their first tokens run the modules).
-    assert (twin.steps, twin.rows, twin.mismatches) == (11, 66, 0)
+    # The prompts (52 tokens, as decode rows: each is under PROMPT_ROWS), then 11 decode steps of 6 rows each.
+    assert (twin.steps, twin.rows, twin.mismatches) == (12, 52 + 66, 0)
     llm.engine.runner.model.fused_decode = None
     assert tokens(llm, params) == fused
 
@@ -191,3 +191,56 @@ def test_a_transformers_saved_pair_proposes_in_one_call_what_the_loop_does(tiny_
     looped, none = proposals(target, "float32", spec, prompts, params, one_call=False)
     assert calls > 0 and none == 0 and fused == looped
     assert sum(len(t) for s in fused for t in s.values()) > 30
+
+
+def answers(llm: LLM, prompts: list[Any], params: list[SamplingParams]) -> list[tuple[list[int], list[float],
+                                                                                   list[float]]]:
+    """Each request's tokens, its tokens' logprobs and its prompt's logprobs."""
+    out = []
+    for o in llm.generate(prompts, params, use_tqdm=False):
+        c = o.outputs[0]
+        out.append((c.token_ids, [lp.logprob for lp in c.logprobs or []],
+                    [lp.logprob for lp in o.prompt_logprobs or [] if lp is not None]))
+    return out
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_prompt_joining_running_decodes_keeps_the_step_in_one_call(dtype: str, tiny_checkpoint: Callable[..., str],
+                                                                     tmp_path: Path) -> None:
+    """Prompt chunks run as decode rows, so a step where a prompt (or its next chunk) joins other requests' decodes
+    takes the stack too; tokens and logprobs, the prompts' included, are those of the same prompts run as prefills
+    through the layers' modules (a transformers-saved Qwen3; a small token budget chunks the prompts)."""
+    model = qwen3_checkpoint(tmp_path / "qwen3", tiny_checkpoint("llama"))
+    prompts = [{"prompt_token_ids": [(13 * i + 7 * j) % 500 + 4 for j in range(9 + 11 * i)]} for i in range(6)]
+    params = [SamplingParams(max_tokens=6 + 3 * i, temperature=0.0, ignore_eos=True, logprobs=1, prompt_logprobs=1)
+              for i in range(6)]
+    llm = LLM(model=model, dtype=dtype, max_model_len=128, max_num_batched_tokens=24)
+    runner = llm.engine.runner
+    assert runner.rows_up_to >= 24
+    twin = Twin(runner.model)
+    forwards = [0]
+    inner = runner.model.forward
+
+    def counted(*args: Any, **kwargs: Any) -> torch.Tensor:
+        forwards[0] += 1
+        return inner(*args, **kwargs)
+
+    runner.model.forward = counted  # type: ignore[method-assign]
+    as_rows = answers(llm, prompts, params)
+    assert twin.mismatches == 0 and twin.steps == forwards[0] > 20  # every step, mixed ones too, took the stack
+    runner.model.fused_decode, runner.rows_up_to = twin.fused, 0
+    as_prefills = answers(llm, prompts, params)
+    tol = 1e-4 if dtype == "float32" else 5e-2
+    for (tok_r, lp_r, plp_r), (tok_p, lp_p, plp_p) in zip(as_rows, as_prefills, strict=True):
+        assert tok_r == tok_p
+        assert len(plp_r) == len(plp_p) > 0
+        assert torch.allclose(torch.tensor(lp_r + plp_r), torch.tensor(lp_p + plp_p), atol=tol, rtol=0)
+
+
+def test_without_the_stack_prompts_stay_prefills(tiny_checkpoint: Callable[..., str]) -> None:
+    """Decode rows without the stack (a quantized KV cache, here) would attend row by row through the layers: no
+    prompt runs so."""
+    llm = LLM(model=tiny_checkpoint("llama"), dtype="float32", kv_cache_dtype="int8")
+    assert llm.engine.runner.rows_up_to == 0
+    llm = LLM(model=tiny_checkpoint("llama"), dtype="float32", quantization="int8")
+    assert llm.engine.runner.model.fused_decode is None and llm.engine.runner.rows_up_to == 0

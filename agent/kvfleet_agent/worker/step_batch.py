@@ -22,6 +22,11 @@ DECODE_GROUP = 16  # decode rows per attention call for the gathering reference 
 # cost 1.3-1.4x one of 64 (Xeon with AMX, 2 threads, 40-380-token contexts; each call converts q and its output and
 # wakes the thread pool).
 ONE_GROUP = 1 << 30
+# Where the one-call decode stack runs (CPU), a prompt chunk of at most this many tokens runs as decode rows too,
+# so that a step mixing a new prompt with other requests' decodes stays one C++ call instead of falling back to the
+# layers' modules for every row. Each row attends to the cache up to its own position (the layer writes the
+# chunk's K/V first), the work of causal attention without its GEMMs, which stops paying past a few hundred rows.
+PROMPT_ROWS = 256
 
 
 @dataclass(slots=True)
@@ -53,8 +58,9 @@ def plan_batch(chunks: list[ScheduledChunk], block_size: int,
     same block table: a layer writes every row's K/V before any row attends, so row i sees the drafts before it.
     That makes verifying k drafts cost about a decode batch of k + 1 rows (one pass over the weights, decode
     attention reading the cache in place) instead of a prefill with its own attention call. A chunk of at most
-    `rows_up_to` tokens runs so too (a draft model's catch-up: the few tokens the target accepted since it last
-    ran), sampling its last row only; longer ones, and every chunk by default, run as prefills.
+    `rows_up_to` tokens runs so too, sampling its last row only: a draft model's catch-up (the few tokens the target
+    accepted since it last ran), and on CPU with the one-call stack a prompt chunk up to PROMPT_ROWS (a step mixing
+    prompts with decodes then stays one call). Longer ones, and every chunk by default, run as prefills.
     """
     bs = block_size
 
