@@ -85,7 +85,7 @@ def test_every_decode_step_is_the_layers_bit_for_bit(arch: str, dtype: str, tiny
     twin = Twin(llm.engine.runner.model)
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
     fused = tokens(llm, params)
-    # The prompts (52 tokens, as decode rows: each is under PROMPT_ROWS), then 11 decode steps of 6 rows each.
+    # The prompts (52 tokens, as decode rows: each ends within PROMPT_ROWS), then 11 decode steps of 6 rows each.
     assert (twin.steps, twin.rows, twin.mismatches) == (12, 52 + 66, 0)
     llm.engine.runner.model.fused_decode = None
     assert tokens(llm, params) == fused
@@ -216,7 +216,7 @@ def test_a_prompt_joining_running_decodes_keeps_the_step_in_one_call(dtype: str,
               for i in range(6)]
     llm = LLM(model=model, dtype=dtype, max_model_len=128, max_num_batched_tokens=24)
     runner = llm.engine.runner
-    assert runner.rows_up_to >= 24
+    assert runner.rows_within >= 64  # every prompt here ends within it
     twin = Twin(runner.model)
     forwards = [0]
     inner = runner.model.forward
@@ -228,7 +228,7 @@ def test_a_prompt_joining_running_decodes_keeps_the_step_in_one_call(dtype: str,
     runner.model.forward = counted  # type: ignore[method-assign]
     as_rows = answers(llm, prompts, params)
     assert twin.mismatches == 0 and twin.steps == forwards[0] > 20  # every step, mixed ones too, took the stack
-    runner.model.fused_decode, runner.rows_up_to = twin.fused, 0
+    runner.model.fused_decode, runner.rows_within = twin.fused, 0
     as_prefills = answers(llm, prompts, params)
     tol = 1e-4 if dtype == "float32" else 5e-2
     for (tok_r, lp_r, plp_r), (tok_p, lp_p, plp_p) in zip(as_rows, as_prefills, strict=True):
@@ -241,6 +241,6 @@ def test_without_the_stack_prompts_stay_prefills(tiny_checkpoint: Callable[..., 
     """Decode rows without the stack (a quantized KV cache, here) would attend row by row through the layers: no
     prompt runs so."""
     llm = LLM(model=tiny_checkpoint("llama"), dtype="float32", kv_cache_dtype="int8")
-    assert llm.engine.runner.rows_up_to == 0
+    assert llm.engine.runner.rows_within == 0
     llm = LLM(model=tiny_checkpoint("llama"), dtype="float32", quantization="int8")
-    assert llm.engine.runner.model.fused_decode is None and llm.engine.runner.rows_up_to == 0
+    assert llm.engine.runner.model.fused_decode is None and llm.engine.runner.rows_within == 0

@@ -55,6 +55,23 @@ def test_plain_decodes_keep_one_row_each() -> None:
     assert [c.request_id for c in samplers] == ["b", "a"]
 
 
+def test_a_prompts_first_tokens_run_as_decode_rows_and_a_chunk_past_them_as_a_prefill() -> None:
+    """rows_within: a chunk ending by that position runs as decode rows (its last row samples); one that ends past
+    it, even a short one after a long context (each row would read that context itself), stays a prefill."""
+    bs = 4
+    head = chunk("head", [1, 2, 3, 4, 5, 6], 0, [0, 1])  # positions 0-5: within 8
+    tail = chunk("tail", [7, 8], 9, [2, 3, 4])  # positions 9-10: past 8
+    decode = chunk("d", [9], 3, [5])
+    batch, samplers = plan_batch([head, tail, decode], bs, rows_within=8)
+    assert batch.input_ids.tolist() == [1, 2, 3, 4, 5, 6, 9, 7, 8]
+    assert batch.positions.tolist() == [0, 1, 2, 3, 4, 5, 3, 9, 10]
+    assert batch.decode_tables.tolist() == [[0, 1]] * 6 + [[5, 0]]
+    assert [(s, n, ctx) for s, n, ctx, _ in batch.prefills] == [(7, 2, 9)]
+    assert batch.sample_rows.tolist() == [5, 6, 8] and [c.request_id for c in samplers] == ["head", "d", "tail"]
+    plain, _ = plan_batch([head, tail, decode], bs)
+    assert [(s, n, ctx) for s, n, ctx, _ in plain.prefills] == [(1, 6, 0), (7, 2, 9)]
+
+
 def test_a_verification_equals_its_tokens_decoded_one_by_one(ckpt: Path) -> None:
     """Logits at every position and the K/V written: one step of [last, *4 drafts] (beside another request's decode
     and a new prompt) against five single-token steps. Contexts cross block boundaries (block size 4)."""

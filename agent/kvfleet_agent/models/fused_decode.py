@@ -3,9 +3,9 @@
 A step whose tokens are all decode rows (plain decodes and verifications: every row attends to the cache up to its
 own position) is the common step of serving and all of a draft model's proposals. For small models its time is the
 host's: the trained draft's two layers took about 1 ms a token in Python against tens of microseconds of arithmetic.
-The op runs the same kernels in the same order, so outputs do not depend on which path ran. Where it runs, prompt
-chunks up to step_batch.PROMPT_ROWS tokens run as decode rows too (plan_batch), so a step mixing a new prompt with
-other requests' decodes takes it as well; steps with a longer prefill chunk, CUDA graphs, quantized weights or KV
+The op runs the same kernels in the same order, so outputs do not depend on which path ran. Where it runs, a prompt's
+first step_batch.PROMPT_ROWS tokens run as decode rows too (plan_batch), so a step mixing a new prompt with other
+requests' decodes takes it as well; steps with a prefill chunk past them, CUDA graphs, quantized weights or KV
 cache, tensor parallelism and the Triton interpreter keep the modules.
 """
 

@@ -200,7 +200,7 @@ class Executor:
         self.runner.forget(out.finished)
         if not out.chunks:
             return {}, {}, {}, {}
-        batch, samplers = plan_batch(out.chunks, self.runner.block_size, self.runner.rows_up_to)
+        batch, samplers = plan_batch(out.chunks, self.runner.block_size, rows_within=self.runner.rows_within)
         if not self.workers:
             return self.runner.execute(batch, samplers, out.draft_k)
         try:

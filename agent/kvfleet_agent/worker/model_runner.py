@@ -78,9 +78,9 @@ class ModelRunner:
             if callable(pack_weights):
                 pack_weights()
         FusedDecode.attach(self.model)
-        # Prompt chunks up to PROMPT_ROWS run as decode rows where the stack takes them (its KV cache in the model's
-        # dtype); elsewhere decode rows would run a gathering attention per row, far slower than a prefill.
-        self.rows_up_to = PROMPT_ROWS if self.model.fused_decode is not None and self.kv_dtype == self.dtype else 0
+        # A prompt's first PROMPT_ROWS tokens run as decode rows where the stack takes them (its KV cache in the
+        # model's dtype); elsewhere decode rows would run a gathering attention per row, far slower than a prefill.
+        self.rows_within = PROMPT_ROWS if self.model.fused_decode is not None and self.kv_dtype == self.dtype else 0
         if self.quant is not None:
             log_quantized(self.model, self.quant.method, self.tp.rank)
             if self.quant.activation_scheme == "static" or self.quant.kv_cache_scales:
@@ -212,7 +212,7 @@ class ModelRunner:
     def warmup(self) -> None:
         """Run the warm-up steps on this rank alone (a group of one)."""
         for step in warmup_steps(self.block_size):
-            batch, samplers = plan_batch(step.chunks, self.block_size, self.rows_up_to)
+            batch, samplers = plan_batch(step.chunks, self.block_size, rows_within=self.rows_within)
             self.execute(batch, samplers)
             self.forget(step.finished)
 

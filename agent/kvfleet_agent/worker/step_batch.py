@@ -22,10 +22,12 @@ DECODE_GROUP = 16  # decode rows per attention call for the gathering reference 
 # cost 1.3-1.4x one of 64 (Xeon with AMX, 2 threads, 40-380-token contexts; each call converts q and its output and
 # wakes the thread pool).
 ONE_GROUP = 1 << 30
-# Where the one-call decode stack runs (CPU), a prompt chunk of at most this many tokens runs as decode rows too,
-# so that a step mixing a new prompt with other requests' decodes stays one C++ call instead of falling back to the
-# layers' modules for every row. Each row attends to the cache up to its own position (the layer writes the
-# chunk's K/V first), the work of causal attention without its GEMMs, which stops paying past a few hundred rows.
+# Where the one-call decode stack runs (CPU), a prompt chunk that ends within a prompt's first PROMPT_ROWS positions
+# runs as decode rows too, so that a step mixing a new prompt with other requests' decodes stays one C++ call
+# instead of running every row through the layers' modules. Each row attends to the cache up to its own position
+# (the layer writes the chunk's K/V first) and reads that context itself, where a prefill reads it once for a GEMM:
+# on the tiny shared model a fresh prompt of 256 tokens ran 1.04-1.07x faster so, one of 512 0.98x; a 64-token tail
+# after 512 cached tokens 0.92x, after 2,048 0.73x. Hence a bound on where the chunk ends, not on its length.
 PROMPT_ROWS = 256
 
 
@@ -50,22 +52,24 @@ class StepBatch:
     prompt_spans: list[PromptSpan] = field(default_factory=list)
 
 
-def plan_batch(chunks: list[ScheduledChunk], block_size: int,
-               rows_up_to: int = 0) -> tuple[StepBatch, list[ScheduledChunk]]:
+def plan_batch(chunks: list[ScheduledChunk], block_size: int, rows_up_to: int = 0,
+               rows_within: int = 0) -> tuple[StepBatch, list[ScheduledChunk]]:
     """The step's batch, and the chunks that sample (in the order of the batch's sample rows).
 
     A verification ([last, *draft]) runs as one decode row per token, each attending to its own prefix of the
     same block table: a layer writes every row's K/V before any row attends, so row i sees the drafts before it.
     That makes verifying k drafts cost about a decode batch of k + 1 rows (one pass over the weights, decode
     attention reading the cache in place) instead of a prefill with its own attention call. A chunk of at most
-    `rows_up_to` tokens runs so too, sampling its last row only: a draft model's catch-up (the few tokens the target
-    accepted since it last ran), and on CPU with the one-call stack a prompt chunk up to PROMPT_ROWS (a step mixing
-    prompts with decodes then stays one call). Longer ones, and every chunk by default, run as prefills.
+    `rows_up_to` tokens runs so too, sampling its last row only (a draft model's catch-up: the few tokens the target
+    accepted since it last ran), and so does a chunk ending by position `rows_within` (on CPU with the one-call
+    stack, a prompt's first PROMPT_ROWS tokens: a step mixing them with decodes then stays one call). Other chunks,
+    and every chunk by default, run as prefills.
     """
     bs = block_size
 
     def as_rows(c: ScheduledChunk) -> bool:
-        return len(c.token_ids) == 1 + len(c.draft) or len(c.token_ids) <= rows_up_to
+        n = len(c.token_ids)
+        return n == 1 + len(c.draft) or n <= rows_up_to or c.start_pos + n <= rows_within
 
     decodes = sorted((c for c in chunks if as_rows(c)), key=lambda c: c.start_pos)
     prefills = [c for c in chunks if not as_rows(c)]
