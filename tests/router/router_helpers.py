@@ -19,6 +19,7 @@ from pathlib import Path
 
 import aiohttp
 import pytest
+from aiohttp import web
 from prometheus_client.parser import text_string_to_metric_families
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "agent"))  # the agents' process helper
@@ -117,3 +118,13 @@ def router_fixture(agents: list[AgentProcess]) -> Iterator[RouterProcess]:
     wait_for(lambda: '"ready_replicas": 2' in json.dumps(json.loads(OpenAIless.get(f"{r.url}/v1/models"))))
     yield r
     r.stop()
+
+
+async def stand_in(routes: Sequence[web.RouteDef]) -> tuple[web.AppRunner, str]:
+    """A stand-in agent serving `routes` on a free loopback port: its runner (clean it up) and its URL."""
+    app = web.Application()
+    app.add_routes(routes)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    return runner, f"http://127.0.0.1:{runner.addresses[0][1]}"

@@ -7,6 +7,7 @@ from collections.abc import Awaitable, Callable
 
 import aiohttp
 from aiohttp import web
+from router_helpers import stand_in
 
 from kvfleet_contract import metrics as contract
 from kvfleet_router.fleet import TIMEOUTS_BEFORE_UNREADY, Fleet, Replica, parse_gauges
@@ -15,14 +16,9 @@ Handler = Callable[[web.Request], Awaitable[web.Response]]
 
 
 async def replica(ready: Handler, metrics: Handler) -> tuple[web.AppRunner, str]:
-    """A stand-in agent serving /ready and /metrics on a free loopback port: its runner and URL."""
-    app = web.Application()
-    app.router.add_get("/ready", ready)
-    app.router.add_get("/metrics", metrics)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    await web.TCPSite(runner, "127.0.0.1", 0).start()
-    return runner, f"http://127.0.0.1:{runner.addresses[0][1]}"
+    """A stand-in agent serving /ready and /metrics: its runner and URL."""
+    return await stand_in([web.get("/ready", ready), web.get("/metrics", metrics)])
+
 
 def test_requests_that_finished_since_the_scrape_no_longer_count() -> None:
     r = Replica("a", "http://a", waiting=2.0, running=3.0, in_flight=5)

@@ -7,6 +7,7 @@ import asyncio
 
 import aiohttp
 from aiohttp import web
+from router_helpers import stand_in
 
 from kvfleet_router.fleet import Fleet
 from kvfleet_router.hold_queue import HoldQueue
@@ -22,14 +23,9 @@ class StandIn:
         self.runner: web.AppRunner | None = None
 
     async def start(self) -> str:
-        app = web.Application()
-        app.router.add_get("/ready", self._empty)
-        app.router.add_get("/metrics", self._empty)
-        app.router.add_post("/v1/completions", self._complete)
-        self.runner = web.AppRunner(app)
-        await self.runner.setup()
-        await web.TCPSite(self.runner, "127.0.0.1", 0).start()
-        return f"http://127.0.0.1:{self.runner.addresses[0][1]}"
+        self.runner, url = await stand_in([web.get("/ready", self._empty), web.get("/metrics", self._empty),
+                                           web.post("/v1/completions", self._complete)])
+        return url
 
     async def _empty(self, _: web.Request) -> web.Response:
         return web.Response(text="")

@@ -121,8 +121,7 @@ class AsyncLLM:
 
     def stats(self) -> EngineStats:
         """The engine's gauges and counters now (read without a lock: a step stale at worst)."""
-        waiting, running, taken = self._queues
-        return self.engine.stats(queues=(waiting + max(0, self._adds_posted - taken), running))
+        return self.engine.stats(queues=self._queue_lengths())
 
     def num_unfinished(self) -> int:
         """Requests accepted and not finished (approximate while a step runs)."""
@@ -130,10 +129,13 @@ class AsyncLLM:
 
     def num_waiting(self) -> int:
         """Requests accepted but not yet running: queued in the engine or still on their way to it."""
-        # From the engine thread's last published queues (a step stale at worst, all admission control needs) and
-        # the adds posted since it took its last: each request counted once.
-        waiting, _, taken = self._queues
-        return waiting + max(0, self._adds_posted - taken)
+        return self._queue_lengths()[0]
+
+    def _queue_lengths(self) -> tuple[int, int]:
+        """(waiting, running) from the engine thread's last published queues (a step stale at worst, all a scrape or
+        admission control needs), waiting with the adds posted since it took its last: each request counted once."""
+        waiting, running, taken = self._queues
+        return waiting + max(0, self._adds_posted - taken), running
 
     def _publish(self) -> None:
         """Publish the scheduler's queue lengths (engine thread, after every change and before any output goes)."""
